@@ -1,0 +1,30 @@
+# Every target creates .venv on first use; nothing else needs to be installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint fuzz soak bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m omni_async.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_wire.py
+
+bench: $(STAMP)
+	$(PY) -m bench blocks
+	$(PY) -m bench chunks
+	$(PY) -m bench idle
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

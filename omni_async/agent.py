@@ -1,0 +1,231 @@
+"""The :class:`Agent`: a block region exposed to peers through a control plane and UCX lanes.
+
+It is the async equivalent of the seed ``DataTransport``: peers join by a ZeroMQ handshake
+(either side may dial), blocks move with :meth:`Agent.write_blocks`, which returns an awaitable
+:class:`~omni_async.transport.Transfer`, and a lost peer fails its transfers with
+:class:`~omni_async.errors.PeerLost` within the heartbeat timeout.
+
+Use it as ``async with Agent(region, config) as agent:``; everything it starts (control tasks,
+lanes) is stopped by ``await agent.close()``, which is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .config import AgentConfig
+from .control import ControlPlane
+from .errors import ClosedError, OmniAsyncError, PeerLost
+from .handshake import LocalIdentity, PeerInfo
+from .region import BlockRegion, config_fingerprint
+from .transport import CancelMode, MessageSink, Transfer, UcxTransport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEvent:
+    """A peer joined, or left (``error`` says why)."""
+
+    kind: Literal["joined", "left"]
+    peer_id: str
+    error: OmniAsyncError | None = None
+
+
+PeerListener = Callable[[PeerEvent], None]
+
+
+class Agent:
+    """Block transfers between this process's ``region`` and its peers'."""
+
+    def __init__(self, region: BlockRegion, config: AgentConfig | None = None) -> None:
+        self.region = region
+        self.config = config or AgentConfig()
+        self.identity = LocalIdentity(
+            peer_id=self.config.resolved_peer_id(),
+            base_addr=region.base_addr,
+            num_blocks=region.num_blocks,
+            block_len=region.block_len,
+            fingerprint=config_fingerprint(self.config.config_fields),
+        )
+        self._transport: UcxTransport | None = None
+        self._control: ControlPlane | None = None
+        self._listeners: list[PeerListener] = []
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> Agent:
+        """Open the UCX context and bind the control plane.  Returns self."""
+        if self._closed:
+            raise ClosedError("agent is closed")
+        if self._control is not None:
+            return self
+        self._transport = UcxTransport(self.region, self.config, fault=self._fault)
+        self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
+        try:
+            await self._control.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> Agent:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Fail in-flight transfers with :class:`ClosedError`, say goodbye, stop everything.
+
+        Idempotent; after it returns no task or lane of this agent is left.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._transport is not None:
+            self._transport.close()
+        if self._control is not None:
+            await self._control.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._signal()
+
+    # -- identity and peers ------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def fingerprint(self) -> str:
+        return self.identity.fingerprint
+
+    @property
+    def control_address(self) -> str:
+        """``tcp://host:port`` that peers pass to :meth:`connect`."""
+        return self._started_control().address
+
+    @property
+    def transport(self) -> UcxTransport:
+        if self._transport is None:
+            raise ClosedError("agent is not started")
+        return self._transport
+
+    @property
+    def control(self) -> ControlPlane:
+        return self._started_control()
+
+    @property
+    def peers(self) -> dict[str, PeerInfo]:
+        """Joined peers by id."""
+        return {pid: self.transport.peer(pid) for pid in self.transport.peer_ids}
+
+    async def connect(self, address: str) -> str:
+        """Handshake with the agent at ``address`` and return its peer id.
+
+        Raises :class:`~omni_async.errors.HandshakeTimeout`, :class:`FingerprintMismatch`,
+        :class:`LayoutMismatch` (or another :class:`HandshakeRejected`) with the reason.
+        """
+        control, transport = self._started_control(), self.transport
+        lane = transport.open_lane()
+        try:
+            info = await control.connect(address, lane.address)
+        except BaseException as exc:
+            lane.close(exc if isinstance(exc, OmniAsyncError) else None)
+            raise
+        transport.add_peer(info, lane)
+        self._emit(PeerEvent("joined", info.peer_id))
+        return info.peer_id
+
+    async def remove_peer(self, peer_id: str) -> bool:
+        """Fail the peer's in-flight transfers, say goodbye and forget it; False if unknown."""
+        removed = self.transport.remove_peer(peer_id, PeerLost(f"peer {peer_id!r} removed"))
+        await self._started_control().disconnect(peer_id, "removed")
+        if removed:
+            self._emit(PeerEvent("left", peer_id, PeerLost(f"peer {peer_id!r} removed")))
+        return removed
+
+    async def wait_for_peer(self, peer_id: str | None = None, timeout: float | None = None) -> str:
+        """Wait until ``peer_id`` (or, if None, any peer) has joined; return its id."""
+        async with asyncio.timeout(timeout):
+            while True:
+                if self._closed:
+                    raise ClosedError("agent is closed")
+                ids = self.transport.peer_ids
+                if peer_id is None and ids:
+                    return ids[0]
+                if peer_id is not None and peer_id in ids:
+                    return peer_id
+                await self._changed.wait()
+
+    def add_peer_listener(self, listener: PeerListener) -> None:
+        """Call ``listener(event)`` whenever a peer joins or leaves (on the loop)."""
+        self._listeners.append(listener)
+
+    # -- transfers ---------------------------------------------------------------------------
+    def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
+        """See :meth:`UcxTransport.write_blocks`; returns at once, await the transfer."""
+        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs)
+
+    def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
+        """See :meth:`UcxTransport.send_message`."""
+        return self.transport.send_message(peer_id, key, meta, frames)
+
+    def set_message_sink(self, sink: MessageSink | None) -> None:
+        """Where incoming chunk messages go (see :data:`~omni_async.transport.MessageSink`)."""
+        self.transport.message_sink = sink
+
+    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
+        """Cancel transfers with the seed's ``"immediate"`` / ``"wait"`` semantics."""
+        return self.transport.cancel(transfer_ids, mode)
+
+    # -- callbacks from the control plane and the transport --------------------------------
+    def _accept(self, info: PeerInfo) -> bytes:
+        lane = self.transport.open_lane()
+        self.transport.add_peer(info, lane)
+        self._emit(PeerEvent("joined", info.peer_id))
+        return lane.address
+
+    def _lost(self, peer_id: str, error: OmniAsyncError) -> None:
+        if self.transport.remove_peer(peer_id, error):
+            self._emit(PeerEvent("left", peer_id, error))
+
+    def _fault(self, peer_id: str, error: OmniAsyncError) -> None:
+        log.warning("dropping peer %s: %s", peer_id, error)
+        self.transport.remove_peer(peer_id, error)
+        self._emit(PeerEvent("left", peer_id, error))
+        self._spawn(self._started_control().disconnect(peer_id, f"dropped: {error}"), f"omni-drop-{peer_id}")
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _emit(self, event: PeerEvent) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("peer listener failed on %s", event)
+        self._signal()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _started_control(self) -> ControlPlane:
+        if self._control is None:
+            raise ClosedError("agent is not started")
+        return self._control
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        if self._closed:
+            coro.close()
+            return
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,126 @@
+"""Typed configuration, free of I/O apart from reading a named file.
+
+:class:`AgentConfig` holds everything the control plane and the transport need; every field
+has a default that works on one machine.  Build one with :func:`load_config` from a mapping,
+a JSON/TOML/YAML file and ``OMNI_ASYNC_*`` environment variables; a bad value raises
+:class:`~omni_async.errors.ConfigError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from .errors import ConfigError
+
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+ENV_PREFIX = "OMNI_ASYNC_"
+
+
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of one agent (control plane + UCX transport)."""
+
+    peer_id: str = ""
+    """This side's unique id; empty picks ``host-pid-random``."""
+    host: str = "127.0.0.1"
+    """Interface the control plane binds (``0.0.0.0`` for all)."""
+    port: Port = 0
+    """Control-plane TCP port; 0 picks a free one (see ``Agent.control_address``)."""
+    config_fields: dict[str, Any] | None = None
+    """Model config values hashed into the compatibility fingerprint (None: compatible with all)."""
+    handshake_timeout: PositiveSeconds = 5.0
+    heartbeat_interval: PositiveSeconds = 0.5
+    heartbeat_timeout: PositiveSeconds = 3.0
+    """A peer silent for this long is lost; its in-flight transfers fail with PeerLost."""
+    transfer_timeout: PositiveSeconds = 60.0
+    """A transfer not acknowledged within this fails with DeadlineExceeded."""
+    ucx_tls: str = "^cma"
+    """UCX_TLS for the data plane.  cma is excluded: it aborts the sender when a receiver dies."""
+    ucx_net_devices: str = ""
+    """UCX_NET_DEVICES (e.g. ``lo`` for loopback tests); empty lets UCX choose."""
+    max_peers: Positive = 64
+    max_write_blocks: Positive = 1 << 20
+    """Most blocks one incoming write may name."""
+    max_message_bytes: Positive = 1 << 30
+    """Largest incoming chunk message (all frames together)."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
+                f"heartbeat_interval ({self.heartbeat_interval})"
+            )
+        if "cma" in self.ucx_tls.replace("^cma", "").split(","):
+            raise ConfigError(
+                f"ucx_tls={self.ucx_tls!r} enables cma, with which UCX aborts this process when a "
+                "peer dies mid-transfer; use '^cma' (default), 'tcp' or 'posix,sysv,self,tcp'"
+            )
+
+    def resolved_peer_id(self) -> str:
+        return self.peer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def load_config(
+    data: Mapping[str, Any] | None = None,
+    *,
+    path: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> AgentConfig:
+    """Merge a file, then ``data``, then ``OMNI_ASYNC_*`` variables, and validate the result.
+
+    ``environ`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    """
+    merged: dict[str, Any] = {}
+    if path is not None:
+        merged.update(_read_file(Path(path)))
+    merged.update(data or {})
+    env = os.environ if environ is None else environ
+    fields = set(AgentConfig.__struct_fields__)
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX) :].lower()
+            if name in fields:
+                merged[name] = _from_env(name, value)
+    try:
+        return msgspec.convert(merged, AgentConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+
+
+def _from_env(name: str, value: str) -> Any:
+    if name == "config_fields":
+        try:
+            return msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{ENV_PREFIX}CONFIG_FIELDS is not JSON: {exc}") from None
+    return value
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            result = msgspec.json.decode(raw)
+        elif suffix == ".toml":
+            result = msgspec.toml.decode(raw)
+        elif suffix in (".yaml", ".yml"):
+            result = msgspec.yaml.decode(raw)
+        else:
+            raise ConfigError(f"config file {path} must end in .json, .toml, .yaml or .yml")
+    except (msgspec.DecodeError, ImportError) as exc:
+        raise ConfigError(f"cannot parse config file {path}: {exc}") from None
+    if not isinstance(result, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top")
+    return result

@@ -1,0 +1,361 @@
+"""The control plane: handshakes, heartbeats and the peer table over ZeroMQ (``zmq.asyncio``).
+
+Each control plane binds one ROUTER; :meth:`ControlPlane.connect` opens one DEALER per peer
+it dials.  After a handshake both sides know each other, whoever dialled.  The plane owns:
+
+* the peer table (peer id -> what the handshake said, and how to reach it);
+* liveness: heartbeats both ways every ``heartbeat_interval``; a peer silent for
+  ``heartbeat_timeout``, whose DEALER connection drops, who says :class:`~omni_async.wire.Bye`
+  or who sends a malformed message is *lost*: removed, and reported once through ``lost``;
+* limits: message size (ZeroMQ ``MAXMSGSIZE`` and the decoder), ``max_peers``.
+
+Admission is delegated: ``accept(info)`` is called for every valid incoming hello and returns
+the agent metadata to welcome the peer with, or raises :class:`HandshakeRejected`.
+Rules and wire format live in :mod:`omni_async.handshake` and :mod:`omni_async.wire`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from .config import AgentConfig
+from .errors import (
+    ClosedError,
+    HandshakeError,
+    HandshakeRejected,
+    HandshakeTimeout,
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+)
+from .handshake import LocalIdentity, PeerInfo, check_peer, reject_for, rejection_error
+from .wire import (
+    MAX_CONTROL_BYTES,
+    Bye,
+    ControlMessage,
+    Heartbeat,
+    Hello,
+    Reject,
+    Welcome,
+    decode_control,
+    encode_control,
+)
+
+log = logging.getLogger(__name__)
+
+AcceptPeer = Callable[[PeerInfo], bytes]
+"""Admit a peer that passed the handshake rules; return the metadata to welcome it with."""
+PeerLostCallback = Callable[[str, OmniAsyncError], None]
+"""Told once when a joined peer is gone, with the reason."""
+
+_HEARTBEAT = encode_control(Heartbeat())
+_LINGER_MS = 200  # time for a goodbye to leave on close
+
+
+@dataclass(eq=False)
+class _Peer:
+    info: PeerInfo
+    ident: bytes | None = None  # ROUTER routing id when the peer dialled us
+    dealer: zmq.asyncio.Socket | None = None  # our DEALER when we dialled the peer
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class ControlStats:
+    """Counters of what the control plane refused."""
+
+    protocol_errors: int = 0
+    rejected: int = 0
+    lost: int = 0
+
+
+class ControlPlane:
+    """Handshakes and liveness for one agent.  Use ``await start()`` then ``await close()``."""
+
+    def __init__(
+        self,
+        identity: LocalIdentity,
+        config: AgentConfig,
+        *,
+        accept: AcceptPeer,
+        lost: PeerLostCallback,
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.stats = ControlStats()
+        self._accept = accept
+        self._lost = lost
+        self._ctx = zmq.asyncio.Context()
+        self._router: zmq.asyncio.Socket | None = None
+        self._address = ""
+        self._peers: dict[str, _Peer] = {}
+        self._by_ident: dict[bytes, str] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._logged_bad: set[bytes] = set()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind the ROUTER and start the receive and heartbeat tasks; return the address."""
+        router = self._socket(zmq.ROUTER)
+        router.bind(f"tcp://{self.config.host}:{self.config.port}")
+        self._router = router
+        self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._spawn(self._router_loop(router), "omni-control-router")
+        self._spawn(self._heartbeat_loop(), "omni-control-heartbeat")
+        log.info("control plane of %s listening on %s", self.identity.peer_id, self._address)
+        return self._address
+
+    @property
+    def address(self) -> str:
+        """``tcp://host:port`` peers connect to."""
+        return self._address
+
+    @property
+    def peers(self) -> dict[str, PeerInfo]:
+        """Joined peers by id (a copy)."""
+        return {pid: peer.info for pid, peer in self._peers.items()}
+
+    async def close(self) -> None:
+        """Say goodbye to every peer, stop all tasks and close the sockets.  Idempotent.
+
+        Peers are forgotten without calling ``lost``: the owner is closing and fails its own
+        transfers.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for peer_id in list(self._peers):
+            await self._forget(peer_id, goodbye="closing")
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Closes the ROUTER and any socket left, letting goodbyes leave for up to the linger.
+        self._ctx.destroy(linger=_LINGER_MS)
+
+    # -- dialling ----------------------------------------------------------------------------
+    async def connect(self, address: str, agent_metadata: bytes) -> PeerInfo:
+        """Handshake with the control plane at ``address``; return what it said about itself.
+
+        Raises :class:`HandshakeTimeout`, the :class:`HandshakeRejected` subtype the peer sent
+        (or that this side found), or :class:`ProtocolError` for a garbled answer.  A failed
+        handshake leaves nothing behind.
+        """
+        if self._closed:
+            raise ClosedError("control plane is closed")
+        dealer = self._socket(zmq.DEALER)
+        try:
+            dealer.connect(address)
+            await dealer.send(encode_control(self.identity.hello(agent_metadata)))
+            try:
+                reply = await asyncio.wait_for(dealer.recv(), self.config.handshake_timeout)
+            except TimeoutError:
+                raise HandshakeTimeout(
+                    f"no answer from {address} within {self.config.handshake_timeout}s"
+                ) from None
+            msg = decode_control(reply)
+            if isinstance(msg, Reject):
+                raise rejection_error(msg)
+            if not isinstance(msg, Welcome):
+                raise ProtocolError(f"expected a welcome from {address}, got {type(msg).__name__}")
+            try:
+                check_peer(self.identity, msg)
+                if msg.peer_id in self._peers:
+                    raise HandshakeRejected(f"peer {msg.peer_id!r} is already connected")
+            except HandshakeRejected as exc:
+                await dealer.send(encode_control(Bye(reason=str(exc))))
+                raise
+        except BaseException:
+            dealer.close(linger=_LINGER_MS)
+            raise
+        peer = _Peer(PeerInfo.from_hello(msg), dealer=dealer)
+        self._peers[msg.peer_id] = peer
+        peer.tasks.append(self._spawn(self._dealer_loop(peer, dealer), f"omni-control-dealer-{msg.peer_id}"))
+        peer.tasks.append(self._spawn(self._monitor_loop(peer, dealer), f"omni-control-monitor-{msg.peer_id}"))
+        log.info("joined peer %s at %s", msg.peer_id, address)
+        return peer.info
+
+    async def disconnect(self, peer_id: str, reason: str = "removed") -> bool:
+        """Say goodbye to ``peer_id`` and forget it (``lost`` is not called); False if unknown."""
+        if peer_id not in self._peers:
+            return False
+        await self._forget(peer_id, goodbye=reason)
+        return True
+
+    # -- tasks ----------------------------------------------------------------------------------
+    async def _router_loop(self, router: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 2:
+                self._bad_input(frames[0], ProtocolError(f"expected 2 frames, got {len(frames)}"))
+                continue
+            ident, payload = frames
+            try:
+                msg = decode_control(payload)
+            except ProtocolError as exc:
+                self._bad_input(ident, exc)
+                continue
+            await self._on_router_message(router, ident, msg)
+
+    async def _on_router_message(self, router: zmq.asyncio.Socket, ident: bytes, msg: ControlMessage) -> None:
+        peer_id = self._by_ident.get(ident)
+        if isinstance(msg, Heartbeat):
+            if peer_id is not None:
+                self._peers[peer_id].last_seen = time.monotonic()
+        elif isinstance(msg, Bye):
+            if peer_id is not None:
+                self._lose(peer_id, PeerLost(f"peer {peer_id!r} left: {msg.reason}"), orderly=True)
+        elif isinstance(msg, Welcome) or isinstance(msg, Reject):
+            self._bad_input(ident, ProtocolError(f"unexpected {type(msg).__name__} on the listener"))
+        elif isinstance(msg, Hello):
+            reply = self._admit(ident, msg)
+            await router.send_multipart([ident, encode_control(reply)])
+
+    def _admit(self, ident: bytes, msg: Hello) -> Welcome | Reject:
+        try:
+            if ident in self._by_ident:
+                raise HandshakeRejected("this connection already completed a handshake")
+            known = self._peers.get(msg.peer_id)
+            if known is not None:
+                if known.info.nonce == msg.nonce:
+                    raise HandshakeRejected(f"peer {msg.peer_id!r} is already connected")
+                self._lose(msg.peer_id, PeerLost(f"peer {msg.peer_id!r} restarted"))
+            if len(self._peers) >= self.config.max_peers:
+                raise HandshakeRejected(f"peer limit of {self.config.max_peers} reached")
+            check_peer(self.identity, msg)
+            info = PeerInfo.from_hello(msg)
+            metadata = self._accept(info)
+        except HandshakeRejected as exc:
+            self.stats.rejected += 1
+            log.warning("rejected peer %r: %s", msg.peer_id, exc)
+            return reject_for(exc)
+        self._peers[info.peer_id] = _Peer(info, ident=ident)
+        self._by_ident[ident] = info.peer_id
+        log.info("accepted peer %s", info.peer_id)
+        return self.identity.welcome(metadata)
+
+    async def _dealer_loop(self, peer: _Peer, dealer: zmq.asyncio.Socket) -> None:
+        peer_id = peer.info.peer_id
+        while True:
+            payload = await dealer.recv()
+            try:
+                msg = decode_control(payload)
+            except ProtocolError as exc:
+                self._bad_input(peer_id.encode(), exc)
+                self._lose(peer_id, exc)
+                return
+            if isinstance(msg, Heartbeat):
+                peer.last_seen = time.monotonic()
+            elif isinstance(msg, Bye):
+                self._lose(peer_id, PeerLost(f"peer {peer_id!r} left: {msg.reason}"), orderly=True)
+                return
+            else:
+                error = ProtocolError(f"unexpected {type(msg).__name__} from joined peer {peer_id!r}")
+                self._bad_input(peer_id.encode(), error)
+                self._lose(peer_id, error)
+                return
+
+    async def _monitor_loop(self, peer: _Peer, dealer: zmq.asyncio.Socket) -> None:
+        monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lose(peer.info.peer_id, PeerLost(f"control connection to {peer.info.peer_id!r} dropped"))
+        finally:
+            monitor.close(linger=0)
+
+    async def _heartbeat_loop(self) -> None:
+        interval, timeout = self.config.heartbeat_interval, self.config.heartbeat_timeout
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for peer_id, peer in list(self._peers.items()):
+                if now - peer.last_seen > timeout:
+                    self._lose(peer_id, PeerLost(f"peer {peer_id!r} silent for {timeout}s"))
+                else:
+                    await self._send(peer, _HEARTBEAT)
+
+    # -- peer table ------------------------------------------------------------------------------
+    def _lose(self, peer_id: str, error: OmniAsyncError, *, orderly: bool = False) -> None:
+        if self._drop(peer_id) is None:
+            return
+        self.stats.lost += 1
+        log.log(logging.INFO if orderly else logging.WARNING, "lost peer %s: %s", peer_id, error)
+        self._lost(peer_id, error)
+
+    async def _forget(self, peer_id: str, goodbye: str) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return
+        await self._send(peer, encode_control(Bye(reason=goodbye)))
+        self._drop(peer_id)
+
+    async def _send(self, peer: _Peer, payload: bytes) -> None:
+        """Send without ever blocking: a message a dead or slow peer cannot take is dropped."""
+        try:
+            if peer.dealer is not None:
+                await peer.dealer.send(payload, zmq.NOBLOCK)
+            elif peer.ident is not None and self._router is not None:
+                await self._router.send_multipart([peer.ident, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer may be gone already; liveness handles it
+            log.debug("message to %s not sent: %s", peer.info.peer_id, exc)
+
+    def _drop(self, peer_id: str) -> _Peer | None:
+        peer = self._peers.pop(peer_id, None)
+        if peer is None:
+            return None
+        if peer.ident is not None:
+            self._by_ident.pop(peer.ident, None)
+        current = asyncio.current_task()
+        for task in peer.tasks:
+            if task is not current:
+                task.cancel()
+        if peer.dealer is not None:
+            peer.dealer.close(linger=_LINGER_MS)  # cancels its pending receive
+        return peer
+
+    def _bad_input(self, source: bytes, error: ProtocolError) -> None:
+        self.stats.protocol_errors += 1
+        if source not in self._logged_bad:
+            if len(self._logged_bad) < 4096:
+                self._logged_bad.add(source)
+            log.warning("rejected bad control input from %r: %s", source[:64], error)
+        peer_id = self._by_ident.get(source)
+        if peer_id is not None:
+            self._lose(peer_id, error)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
+        interval_ms = int(self.config.heartbeat_interval * 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.config.heartbeat_timeout * 1000))
+        return sock
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("control task %s failed", task.get_name(), exc_info=task.exception())
+
+
+__all__ = ["ControlPlane", "ControlStats", "HandshakeError"]

@@ -1,0 +1,144 @@
+"""The one exception hierarchy of omni_async.
+
+Every error the library raises on purpose derives from :class:`OmniAsyncError`, so a caller can
+catch the family at once or one precise reason.  Errors that travel between peers carry a
+stable ``code`` (see :mod:`omni_async.wire`) so the other side can rebuild the same type.
+"""
+
+from __future__ import annotations
+
+
+class OmniAsyncError(Exception):
+    """Base class of every error raised by omni_async."""
+
+    code: str = "error"
+
+
+class ConfigError(OmniAsyncError, ValueError):
+    """A configuration value is missing, has the wrong type or is out of range."""
+
+    code = "config"
+
+
+class ClosedError(OmniAsyncError):
+    """The object was closed; no new work is accepted."""
+
+    code = "closed"
+
+
+class ProtocolError(OmniAsyncError):
+    """A message from a peer is malformed, oversized, of an unknown kind or out of bounds."""
+
+    code = "protocol"
+
+
+class HandshakeError(OmniAsyncError):
+    """The control-plane handshake with a peer did not succeed."""
+
+    code = "handshake"
+
+
+class HandshakeTimeout(HandshakeError, TimeoutError):
+    """The peer did not answer the handshake in time."""
+
+    code = "handshake_timeout"
+
+
+class HandshakeRejected(HandshakeError):
+    """The peer refused the handshake; ``reason`` is the text it sent."""
+
+    code = "rejected"
+
+
+class VersionMismatch(HandshakeRejected):
+    """The two sides speak different protocol versions."""
+
+    code = "version"
+
+
+class FingerprintMismatch(HandshakeRejected):
+    """Both sides have a config fingerprint and they differ."""
+
+    code = "fingerprint"
+
+
+class LayoutMismatch(HandshakeRejected):
+    """The two regions have different ``block_len``."""
+
+    code = "layout"
+
+
+class PeerError(OmniAsyncError):
+    """Base class of errors about one peer."""
+
+    code = "peer"
+
+
+class UnknownPeer(PeerError, KeyError):
+    """No peer with this id is connected."""
+
+    code = "unknown_peer"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "unknown peer"
+
+
+class PeerLost(PeerError):
+    """The peer left, died, or stopped answering heartbeats."""
+
+    code = "peer_lost"
+
+
+class TransferError(OmniAsyncError):
+    """Base class of errors that end one transfer."""
+
+    code = "transfer"
+
+
+class TransferFailed(TransferError):
+    """The transfer did not complete; the reason says why (often sent by the receiver)."""
+
+    code = "failed"
+
+
+class TransferCancelled(TransferError):
+    """The transfer was cancelled by its owner before it completed."""
+
+    code = "cancelled"
+
+
+class DeadlineExceeded(TransferError, TimeoutError):
+    """A request or transfer made no progress within its deadline."""
+
+    code = "deadline"
+
+
+class InvalidBlocks(TransferError, ValueError):
+    """Block index lists are unequal in length or name a block outside a region."""
+
+    code = "invalid_blocks"
+
+
+#: Error types a peer may name in a rejection or a failed acknowledgement, by code.
+REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {
+    cls.code: cls
+    for cls in (
+        OmniAsyncError,
+        ProtocolError,
+        HandshakeRejected,
+        VersionMismatch,
+        FingerprintMismatch,
+        LayoutMismatch,
+        TransferFailed,
+        InvalidBlocks,
+        ClosedError,
+        UnknownPeer,
+        PeerLost,
+        DeadlineExceeded,
+    )
+}
+
+
+def error_from_code(code: str, reason: str) -> OmniAsyncError:
+    """Rebuild the error a peer reported; an unknown code becomes :class:`TransferFailed`."""
+    return REMOTE_ERRORS.get(code, TransferFailed)(reason)

@@ -1,0 +1,104 @@
+"""Handshake rules, free of I/O: what a side says about itself and when two sides may pair.
+
+The control plane sends a :class:`~omni_async.wire.Hello` built by :meth:`LocalIdentity.hello`,
+and answers one with :func:`check_peer` (which raises the precise
+:class:`~omni_async.errors.HandshakeRejected` subtype) before it admits the peer.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, VersionMismatch, error_from_code
+from .region import fingerprints_compatible
+from .wire import PROTOCOL_VERSION, Hello, Reject, Welcome
+
+
+@dataclass(frozen=True, slots=True)
+class LocalIdentity:
+    """This side's description: who it is and the layout of its block region."""
+
+    peer_id: str
+    base_addr: int
+    num_blocks: int
+    block_len: int
+    fingerprint: str
+    nonce: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.nonce:
+            object.__setattr__(self, "nonce", secrets.randbits(63) or 1)
+
+    def hello(self, agent_metadata: bytes) -> Hello:
+        return Hello(**self._fields(agent_metadata))
+
+    def welcome(self, agent_metadata: bytes) -> Welcome:
+        return Welcome(**self._fields(agent_metadata))
+
+    def _fields(self, agent_metadata: bytes) -> dict[str, object]:
+        return {
+            "version": PROTOCOL_VERSION,
+            "peer_id": self.peer_id,
+            "nonce": self.nonce,
+            "agent_metadata": agent_metadata,
+            "base_addr": self.base_addr,
+            "num_blocks": self.num_blocks,
+            "block_len": self.block_len,
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What a successful handshake taught us about a peer."""
+
+    peer_id: str
+    nonce: int
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    block_len: int
+    fingerprint: str
+
+    @classmethod
+    def from_hello(cls, msg: Hello) -> PeerInfo:
+        return cls(
+            peer_id=msg.peer_id,
+            nonce=msg.nonce,
+            agent_metadata=msg.agent_metadata,
+            base_addr=msg.base_addr,
+            num_blocks=msg.num_blocks,
+            block_len=msg.block_len,
+            fingerprint=msg.fingerprint,
+        )
+
+
+def check_peer(local: LocalIdentity, remote: Hello) -> None:
+    """Raise the :class:`HandshakeRejected` subtype that forbids pairing, or return."""
+    if remote.version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"protocol version {remote.version} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+    if remote.peer_id == local.peer_id:
+        raise HandshakeRejected(f"peer id {remote.peer_id!r} is this side's own id")
+    if remote.block_len != local.block_len:
+        raise LayoutMismatch(
+            f"block_len {remote.block_len} of {remote.peer_id!r} differs from this side's {local.block_len}"
+        )
+    if not fingerprints_compatible(local.fingerprint, remote.fingerprint):
+        raise FingerprintMismatch(
+            f"config fingerprint {remote.fingerprint} of {remote.peer_id!r} differs from "
+            f"this side's {local.fingerprint}"
+        )
+
+
+def reject_for(error: HandshakeRejected) -> Reject:
+    """The message that tells the peer why it was refused."""
+    return Reject(code=error.code, reason=str(error))
+
+
+def rejection_error(msg: Reject) -> HandshakeRejected:
+    """The error the connecting side raises for a :class:`Reject` it received."""
+    error = error_from_code(msg.code, msg.reason)
+    return error if isinstance(error, HandshakeRejected) else HandshakeRejected(msg.reason)

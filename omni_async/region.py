@@ -1,0 +1,163 @@
+"""Block memory regions, config fingerprints and index-run planning.  No I/O.
+
+A :class:`BlockRegion` is a ``num_blocks × block_len`` uint8 array.  Remote peers write into it
+(the transport posts receives straight into its row slices), so it must stay alive and must not
+be resized while a transport uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ConfigError, InvalidBlocks
+
+__all__ = ["BlockRegion", "Run", "config_fingerprint", "plan_runs"]
+
+
+def config_fingerprint(fields: Mapping[str, Any] | None) -> str:
+    """Content hash of model config fields; ``""`` (compatible with anyone) for None or empty.
+
+    Identical to the seed transport: sha256 of the canonical JSON (sorted keys, no spaces),
+    hex, first 16 characters.
+    """
+    if not fields:
+        return ""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def fingerprints_compatible(a: str, b: str) -> bool:
+    """Two fingerprints are compatible unless both are non-empty and differ."""
+    return not a or not b or a == b
+
+
+class BlockRegion:
+    """A 2-D ``num_blocks × block_len`` uint8 region, owned here or wrapping a caller's buffer.
+
+    Wrapping does not copy: the caller keeps ownership of the memory and must keep it alive
+    for as long as the region is in use.  A read-only buffer is refused, because peers write
+    into it.
+    """
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: npt.NDArray[np.uint8]) -> None:
+        if not isinstance(array, np.ndarray) or array.ndim != 2 or array.dtype != np.uint8:
+            raise ConfigError("a block region must be a 2-D uint8 numpy array")
+        if not array.flags.c_contiguous:
+            raise ConfigError("a block region must be C-contiguous")
+        if not array.flags.writeable:
+            raise ConfigError("a block region must be writeable")
+        if array.shape[0] < 1 or array.shape[1] < 1:
+            raise ConfigError(f"a block region needs at least one block of one byte, got {array.shape}")
+        self._array = array
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_len: int) -> BlockRegion:
+        """A new zero-filled region owned by the returned object."""
+        for name, value in (("num_blocks", num_blocks), ("block_len", block_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        return cls(np.zeros((num_blocks, block_len), dtype=np.uint8))
+
+    @classmethod
+    def wrap(cls, buffer: Any) -> BlockRegion:
+        """Wrap a caller's 2-D buffer (numpy array or memoryview) without copying."""
+        if isinstance(buffer, memoryview):
+            if buffer.readonly:
+                raise ConfigError("a block region must be writeable")
+            if buffer.ndim != 2:
+                raise ConfigError(f"a block region must be 2-D, got {buffer.ndim}-D")
+            array = np.frombuffer(buffer.cast("B"), dtype=np.uint8).reshape(buffer.shape)
+        elif isinstance(buffer, np.ndarray):
+            if buffer.ndim != 2:
+                raise ConfigError(f"a block region must be 2-D, got {buffer.ndim}-D")
+            if not buffer.flags.c_contiguous:
+                raise ConfigError("a block region must be C-contiguous")
+            array = buffer if buffer.dtype == np.uint8 else buffer.view(np.uint8)
+        else:
+            raise ConfigError(f"cannot wrap {type(buffer).__name__} as a block region")
+        return cls(array)
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The whole region as a 2-D uint8 array (a view, not a copy)."""
+        return self._array
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self._array.shape[0])
+
+    @property
+    def block_len(self) -> int:
+        return int(self._array.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._array.nbytes)
+
+    @property
+    def base_addr(self) -> int:
+        """Address of the first byte of the region in this process."""
+        return int(self._array.__array_interface__["data"][0])
+
+    def block(self, index: int) -> npt.NDArray[np.uint8]:
+        """Zero-copy view of one block."""
+        return self._array[index]
+
+    def blocks(self, start: int, count: int) -> npt.NDArray[np.uint8]:
+        """Zero-copy contiguous view of ``count`` blocks from ``start`` (a 1-D byte array)."""
+        return self._array[start : start + count].reshape(-1)
+
+
+class Run(NamedTuple):
+    """``count`` consecutive blocks from ``local`` written to ``count`` consecutive at ``remote``."""
+
+    local: int
+    remote: int
+    count: int
+
+
+def plan_runs(
+    local_idxs: Sequence[int], remote_idxs: Sequence[int], local_blocks: int, remote_blocks: int
+) -> list[Run]:
+    """Check paired index lists and coalesce them into runs contiguous on both sides, in order.
+
+    Raises :class:`InvalidBlocks` if the lengths differ, an index is not an int, or an index
+    falls outside ``[0, local_blocks)`` / ``[0, remote_blocks)``.
+    """
+    if len(local_idxs) != len(remote_idxs):
+        raise InvalidBlocks(
+            f"local_idxs has {len(local_idxs)} entries but remote_idxs has {len(remote_idxs)}"
+        )
+    runs: list[Run] = []
+    start_l = start_r = count = 0
+    for li, ri in zip(local_idxs, remote_idxs):
+        if type(li) is not int or type(ri) is not int:
+            li, ri = _as_index(li, "local"), _as_index(ri, "remote")
+        if not 0 <= li < local_blocks:
+            raise InvalidBlocks(f"local block index {li} out of range [0, {local_blocks})")
+        if not 0 <= ri < remote_blocks:
+            raise InvalidBlocks(f"remote block index {ri} out of range [0, {remote_blocks})")
+        if count and li == start_l + count and ri == start_r + count:
+            count += 1
+            continue
+        if count:
+            runs.append(Run(start_l, start_r, count))
+        start_l, start_r, count = li, ri, 1
+    if count:
+        runs.append(Run(start_l, start_r, count))
+    return runs
+
+
+def _as_index(value: object, side: str) -> int:
+    """Accept Python and numpy integers (not bools, not floats) as block indices."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidBlocks(f"{side} block index {value!r} is not an int")
+    return int(value)

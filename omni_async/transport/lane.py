@@ -1,0 +1,182 @@
+"""One UCX worker and one endpoint to one peer, progressed on the running asyncio loop.
+
+Why one worker per peer: with endpoint error handling off (needed for UCX's shared-memory
+transports), UCX never reports a dead peer, and a worker with sends stuck towards a dead peer
+can never be armed again, so its event fd would keep the loop busy.  Giving each peer its own
+worker lets :meth:`Lane.close` destroy exactly the stuck state, and gives every peer its own tag
+space.
+
+Progress is event driven: the worker's event fd is registered with ``loop.add_reader``; when it
+fires (or after work is posted) the lane progresses the worker, completes finished requests and
+re-arms the worker.  Nothing polls, nothing sleeps, and an idle lane costs no CPU.
+
+Threading: a lane must only be used from the thread running its loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import ucxx._lib.libucxx as ucx_api
+from ucxx._lib.arr import Array
+
+from ..errors import PeerLost
+
+# ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.21 no longer knows and warns about.
+os.environ.pop("UCX_MEMTYPE_CACHE", None)
+
+log = logging.getLogger(__name__)
+
+Completion = Callable[[BaseException | None], None]
+"""Called once when a posted request ends: ``None`` on success, else the error."""
+
+_MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
+
+
+def new_context(tls: str, net_devices: str = "") -> Any:
+    """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set)."""
+    config = {"TLS": tls}
+    if net_devices:
+        config["NET_DEVICES"] = net_devices
+    return ucx_api.UCXContext(config)
+
+
+class Lane:
+    """A UCX worker with (after :meth:`connect`) one endpoint, driven by the asyncio loop.
+
+    Buffers passed to :meth:`send` and :meth:`recv` are borrowed: the caller must keep them
+    alive and unchanged until the completion runs.  The lane keeps a reference meanwhile.
+    """
+
+    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._worker: Any = ucx_api.UCXWorker(
+            context, enable_delayed_submission=False, enable_python_future=False
+        )
+        self._worker.init_blocking_progress_mode()
+        self._fd: int = self._worker.epoll_file_descriptor
+        self._endpoint: Any = None
+        self._pending: list[tuple[Any, Completion, object]] = []
+        self._drive_scheduled = False
+        self._closed = False
+        self._close_reason: BaseException = PeerLost("lane closed")
+        self.wakeups = 0
+        """How many times the lane ran its progress engine (for idle-CPU tests)."""
+        loop.add_reader(self._fd, self._drive)
+
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address, the agent metadata a peer needs to reach this lane."""
+        return bytes(self._worker.address.tobytes())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests posted and not completed yet."""
+        return len(self._pending)
+
+    def connect(self, remote_address: bytes) -> None:
+        """Create the endpoint to the peer lane at ``remote_address`` (no round trip)."""
+        address = ucx_api.UCXAddress.create_from_buffer(remote_address)
+        self._endpoint = self._worker.create_endpoint_from_worker_address(address, False)
+
+    def send(self, buffer: Any, tag: int, done: Completion) -> None:
+        """Post a tagged send of ``buffer`` (borrowed until ``done`` runs).
+
+        On a closed lane ``done`` runs at once with the reason it was closed.
+        """
+        if self._closed:
+            done(self._close_reason)
+            return
+        request = self._endpoint.tag_send(Array(buffer), ucx_api.UCXXTag(tag))
+        self._track(request, done, buffer)
+
+    def recv(self, buffer: Any, tag: int, done: Completion) -> None:
+        """Post a tagged receive straight into ``buffer`` (borrowed until ``done`` runs).
+
+        UCX does not check receive buffers; callers pass writeable C-contiguous byte views.
+        On a closed lane ``done`` runs at once with the reason it was closed.
+        """
+        if self._closed:
+            done(self._close_reason)
+            return
+        request = self._endpoint.tag_recv(Array(buffer), ucx_api.UCXXTag(tag))
+        self._track(request, done, buffer)
+
+    def _track(self, request: Any, done: Completion, keepalive: object) -> None:
+        if request.completed:
+            done(_request_error(request))
+            return
+        self._pending.append((request, done, keepalive))
+        if not self._drive_scheduled:
+            self._drive_scheduled = True
+            self._loop.call_soon(self._drive)
+
+    def _drive(self) -> None:
+        """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
+        self._drive_scheduled = False
+        if self._closed:
+            return
+        self.wakeups += 1
+        worker = self._worker
+        for _ in range(_MAX_ROUNDS):
+            while worker.progress_once():
+                pass
+            if self._pending:
+                self._reap()
+                if self._closed:  # a completion closed the lane
+                    return
+            if worker.arm():
+                return
+        # UCX still has work (a large transfer, or sends stuck towards a dead peer until the
+        # control plane notices): come back after the loop has run its other callbacks.
+        if not self._drive_scheduled:
+            self._drive_scheduled = True
+            self._loop.call_soon(self._drive)
+
+    def _reap(self) -> None:
+        finished: list[tuple[Any, Completion, object]] = []
+        still: list[tuple[Any, Completion, object]] = []
+        for item in self._pending:
+            (finished if item[0].completed else still).append(item)
+        if not finished:
+            return
+        self._pending = still
+        for request, done, _ in finished:
+            done(_request_error(request))
+
+    def close(self, reason: BaseException | None = None) -> None:
+        """Fail every pending request with ``reason`` and destroy the endpoint and worker.
+
+        Idempotent.  After it returns UCX no longer touches any borrowed buffer: the worker is
+        never progressed again.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if reason is not None:
+            self._close_reason = reason
+        self._loop.remove_reader(self._fd)
+        pending, self._pending = self._pending, []
+        for _request, done, _ in pending:
+            done(self._close_reason)
+        # Start a non-blocking close, then never progress again.  Without it ucxx's endpoint
+        # destructor runs a *blocking* flush-close that loops forever when the peer cannot
+        # answer (dead, or on this very thread); a forced close is not allowed with error
+        # handling off.  The transport only closes a lane once its transfers are acknowledged,
+        # failed or cancelled, so nothing is left to flush.
+        if self._endpoint is not None:
+            self._endpoint.close()
+        self._endpoint = None
+        self._worker = None
+
+
+def _request_error(request: Any) -> BaseException | None:
+    try:
+        request.check_error()
+    except Exception as exc:  # UCX reports every failure this way
+        return exc
+    return None

@@ -1,0 +1,127 @@
+"""The :class:`Transfer` handle: an awaitable outcome of one write or message.  No I/O.
+
+A transfer settles exactly once: *done* (the receiver acknowledged that the data is in place)
+or *failed* with an :class:`~omni_async.errors.OmniAsyncError` that says why.  Awaiting it
+returns ``None`` or raises that error.  No asyncio future exists until somebody awaits, so a
+transfer that is only polled (the sync facade) never produces "exception never retrieved"
+warnings, and a fire-and-forget write costs no future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from enum import Enum
+from typing import Any, Literal
+
+from ..errors import OmniAsyncError, TransferCancelled
+
+CancelMode = Literal["immediate", "wait"]
+
+
+class State(Enum):
+    PENDING = "pending"
+    DRAINING = "draining"  # cancelled in "wait" mode: settles once the data plane lets go
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Transfer:
+    """Handle of one transfer to ``peer_id``; ``id`` is unique for the transport's life.
+
+    ``await transfer`` returns when the receiver acknowledged, or raises the failure.
+    """
+
+    __slots__ = ("id", "peer_id", "nbytes", "_state", "_error", "_waiter", "_callbacks", "_on_cancel")
+
+    def __init__(
+        self,
+        transfer_id: int,
+        peer_id: str,
+        nbytes: int,
+        on_cancel: Callable[[Transfer, CancelMode], bool] | None = None,
+    ) -> None:
+        self.id = transfer_id
+        self.peer_id = peer_id
+        self.nbytes = nbytes
+        self._state = State.PENDING
+        self._error: OmniAsyncError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._callbacks: list[Callable[[Transfer], None]] = []
+        self._on_cancel = on_cancel
+
+    def __repr__(self) -> str:
+        return f"<Transfer {self.id} to {self.peer_id!r} {self._state.value} {self.nbytes} B>"
+
+    # -- observing ---------------------------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def done(self) -> bool:
+        """True once settled (done or failed)."""
+        return self._state in (State.DONE, State.FAILED)
+
+    def error(self) -> OmniAsyncError | None:
+        """The failure, or None if pending or done."""
+        return self._error
+
+    def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
+        """Call ``callback(self)`` once settled (at once if already settled)."""
+        if self.done():
+            callback(self)
+        else:
+            self._callbacks.append(callback)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self.done():
+            if self._waiter is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+            yield from asyncio.shield(self._waiter).__await__()
+        if self._error is not None:
+            raise self._error
+
+    # -- driving (the transport) -------------------------------------------------------------
+    def cancel(self, mode: CancelMode = "immediate") -> bool:
+        """Cancel; return True if the transfer is still draining (``"wait"`` mode only).
+
+        ``"immediate"`` settles at once with :class:`TransferCancelled`; the data plane may
+        still read the source blocks for a moment.  ``"wait"`` settles with
+        :class:`TransferCancelled` only once the data plane has let go of the transfer (the
+        receiver answered or the peer was lost), so the source blocks are then free to reuse.
+        A settled transfer is left alone (returns False).
+        """
+        if self.done():
+            return False
+        if mode not in ("immediate", "wait"):
+            raise ValueError(f"cancel mode must be 'immediate' or 'wait', got {mode!r}")
+        draining = self._on_cancel(self, mode) if self._on_cancel is not None else False
+        if draining and mode == "wait":
+            self._state = State.DRAINING
+            return True
+        self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
+        return False
+
+    def set_done(self) -> None:
+        """Settle successfully (a draining transfer settles as cancelled)."""
+        if self._state is State.DRAINING:
+            self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
+        elif not self.done():
+            self._settle(None)
+
+    def set_failed(self, error: OmniAsyncError) -> None:
+        """Settle with ``error`` (a draining transfer settles as cancelled)."""
+        if self._state is State.DRAINING:
+            error = TransferCancelled(f"transfer {self.id} cancelled")
+        if not self.done():
+            self._settle(error)
+
+    def _settle(self, error: OmniAsyncError | None) -> None:
+        self._error = error
+        self._state = State.DONE if error is None else State.FAILED
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the error is raised by __await__, never left unretrieved
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)

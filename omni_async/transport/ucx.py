@@ -1,0 +1,414 @@
+"""The UCX data plane: block writes and chunk messages to peers, each over its own lane.
+
+Protocol on a lane (tags from :mod:`omni_async.wire`):
+
+* the sender posts a header (:class:`~omni_async.wire.WriteRequest` or
+  :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message per
+  coalesced run or frame on ``data_tag(seq + i)``;
+* the receiver always has one header receive posted; it validates a header *before* posting
+  the payload receives, which land straight in its region rows (writes) or in fresh arrays
+  (messages), so no byte of an invalid write reaches the region;
+* once every payload receive completed the receiver sends an :class:`~omni_async.wire.Ack`
+  (or a failed one with the reason); the sender's :class:`Transfer` settles on it, never on
+  a local send completion.
+
+Liveness is not UCX's job here (with endpoint error handling off it cannot tell): the owner
+calls :meth:`UcxTransport.remove_peer` when the control plane loses a peer, and every transfer
+has a deadline.  A header that cannot be decoded, or a message over the limits, is a protocol
+violation: the transport reports it through ``fault`` and the owner drops the peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import AgentConfig
+from ..errors import (
+    ClosedError,
+    DeadlineExceeded,
+    InvalidBlocks,
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+    TransferFailed,
+    UnknownPeer,
+    error_from_code,
+)
+from ..handshake import PeerInfo
+from ..region import BlockRegion, plan_runs
+from ..wire import (
+    HEADER_TAG,
+    MAX_HEADER_BYTES,
+    Ack,
+    DataHeader,
+    MessageHeader,
+    WriteRequest,
+    data_tag,
+    decode_header,
+    encode_header,
+    validate_message,
+    validate_write,
+)
+from .lane import Lane, new_context
+from .transfer import CancelMode, Transfer
+
+log = logging.getLogger(__name__)
+
+Frames = list[npt.NDArray[np.uint8]]
+MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
+"""``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink.
+
+The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
+if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
+"""
+FaultCallback = Callable[[str, OmniAsyncError], None]
+
+
+def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
+    """A flat uint8 view of a C-contiguous buffer, without copying."""
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"a frame must support the buffer protocol, got {type(buffer).__name__}") from None
+    if not view.c_contiguous:
+        raise TypeError("a frame must be C-contiguous")
+    return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
+
+
+@dataclass(eq=False)
+class _Link:
+    """Everything the transport keeps about one peer."""
+
+    peer: PeerInfo
+    lane: Lane
+    header_buf: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(MAX_HEADER_BYTES, np.uint8))
+    next_seq: int = 0
+    sent: dict[int, tuple[Transfer, asyncio.TimerHandle]] = field(default_factory=dict)
+    """Transfers sent to the peer and not acknowledged yet."""
+
+    def take_seq(self, count: int) -> int:
+        seq = self.next_seq
+        self.next_seq += count
+        return seq
+
+
+class _Inbound:
+    """Counts the payload receives of one incoming transfer; answers once all are done."""
+
+    __slots__ = ("remaining", "error", "finish")
+
+    def __init__(self, remaining: int, finish: Callable[[BaseException | None], None]) -> None:
+        self.remaining = remaining
+        self.error: BaseException | None = None
+        self.finish = finish
+
+    def part_done(self, error: BaseException | None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.finish(self.error)
+
+
+class UcxTransport:
+    """Data plane of one agent over ``region``.  All methods run on the agent's event loop.
+
+    ``fault(peer_id, error)`` is called when a peer broke the protocol; the owner should drop
+    it (``remove_peer``).  Chunk messages go to :attr:`message_sink` (unset: refused).
+    """
+
+    def __init__(self, region: BlockRegion, config: AgentConfig, fault: FaultCallback) -> None:
+        self.region = region
+        self.config = config
+        self.message_sink: MessageSink | None = None
+        self._fault = fault
+        self._loop = asyncio.get_running_loop()
+        self._context = new_context(config.ucx_tls, config.ucx_net_devices)
+        self._links: dict[str, _Link] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # -- peers -----------------------------------------------------------------------------
+    def open_lane(self) -> Lane:
+        """A fresh lane whose address goes into a handshake; pass it to :meth:`add_peer`."""
+        self._check_open()
+        return Lane(self._context, self._loop)
+
+    def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
+        """Connect ``lane`` to the peer's lane and start receiving from it."""
+        self._check_open()
+        if peer.peer_id in self._links:
+            raise ValueError(f"peer {peer.peer_id!r} is already added")
+        lane.connect(peer.agent_metadata)
+        link = _Link(peer, lane)
+        self._links[peer.peer_id] = link
+        self._post_header_recv(link)
+
+    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None) -> bool:
+        """Fail the peer's in-flight transfers with ``error`` and close its lane.
+
+        Returns False if the peer was not known.
+        """
+        link = self._links.pop(peer_id, None)
+        if link is None:
+            return False
+        error = error or PeerLost(f"peer {peer_id!r} removed")
+        for transfer, timer in link.sent.values():
+            timer.cancel()
+            transfer.set_failed(error)
+        link.sent.clear()
+        link.lane.close(error)
+        return True
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return list(self._links)
+
+    def peer(self, peer_id: str) -> PeerInfo:
+        return self._link(peer_id).peer
+
+    def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
+        """Transfers sent and not settled yet (to one peer, or to all)."""
+        links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
+        return [transfer for link in links for transfer, _ in link.sent.values()]
+
+    # -- sending ---------------------------------------------------------------------------
+    def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
+        """Write local blocks into the peer's blocks; the returned transfer settles on its ack.
+
+        Raises at once, before any byte moves: :class:`UnknownPeer`, :class:`InvalidBlocks`
+        (unequal lengths, an index out of range or not an int), :class:`ClosedError`.
+        The local blocks must not change until the transfer settles.
+        """
+        self._check_open()
+        link = self._link(peer_id)
+        runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        block_len = self.region.block_len
+        transfer = self._new_transfer(link, len(local_idxs) * block_len)
+        if not runs:
+            transfer.set_done()
+            return transfer
+        seq = link.take_seq(len(runs))
+        header = WriteRequest(transfer.id, seq, [(run.remote, run.count) for run in runs])
+        on_sent = partial(self._sent, link, transfer.id)
+        lane = link.lane
+        lane.send(encode_header(header), HEADER_TAG, on_sent)
+        array = self.region.array
+        for i, run in enumerate(runs):
+            lane.send(array[run.local : run.local + run.count], data_tag(seq + i), on_sent)
+        return transfer
+
+    def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
+        """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
+
+        The frames are borrowed, not copied: keep them unchanged until the transfer settles.
+        """
+        self._check_open()
+        link = self._link(peer_id)
+        views = [_byte_view(frame) for frame in frames]
+        sizes = [int(view.nbytes) for view in views]
+        transfer = self._new_transfer(link, sum(sizes))
+        seq = link.take_seq(len(views))
+        header = MessageHeader(transfer.id, seq, key, meta, sizes)
+        on_sent = partial(self._sent, link, transfer.id)
+        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
+        for i, view in enumerate(views):
+            if view.nbytes:
+                link.lane.send(view, data_tag(seq + i), on_sent)
+        return transfer
+
+    def _new_transfer(self, link: _Link, nbytes: int) -> Transfer:
+        transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
+        timer = self._loop.call_later(self.config.transfer_timeout, self._expire, link, transfer.id)
+        link.sent[transfer.id] = (transfer, timer)
+        return transfer
+
+    def _sent(self, link: _Link, transfer_id: int, error: BaseException | None) -> None:
+        """A payload or header send completed; a failed one means the lane to the peer broke."""
+        if error is None or self._links.get(link.peer.peer_id) is not link:
+            return
+        lost = PeerLost(f"data plane to {link.peer.peer_id!r} broke: {error}")
+        self._settle(link, transfer_id, lost)
+        self._fault(link.peer.peer_id, lost)
+
+    def _expire(self, link: _Link, transfer_id: int) -> None:
+        self._settle(
+            link,
+            transfer_id,
+            DeadlineExceeded(f"no acknowledgement within {self.config.transfer_timeout}s"),
+        )
+
+    def _settle(self, link: _Link, transfer_id: int, error: OmniAsyncError | None) -> None:
+        entry = link.sent.pop(transfer_id, None)
+        if entry is None:
+            return  # settled already (cancelled, expired, acknowledged)
+        transfer, timer = entry
+        timer.cancel()
+        if error is None:
+            transfer.set_done()
+        else:
+            transfer.set_failed(error)
+
+    # -- cancelling ------------------------------------------------------------------------
+    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
+        """Cancel transfers by id with the seed's semantics; unknown ids are ignored.
+
+        ``"immediate"``: each settles now with :class:`TransferCancelled`; returns ``[]``.
+        ``"wait"``: returns the ids still draining; each settles (as cancelled) once the
+        receiver answered or the peer is lost.
+        """
+        wanted = set(transfer_ids)
+        draining = []
+        for link in list(self._links.values()):
+            for transfer_id in wanted.intersection(link.sent):
+                if link.sent[transfer_id][0].cancel(mode):
+                    draining.append(transfer_id)
+        return draining
+
+    def _on_cancel(self, transfer: Transfer, mode: CancelMode) -> bool:
+        link = self._links.get(transfer.peer_id)
+        if link is None or transfer.id not in link.sent:
+            return False
+        if mode == "wait":
+            return True
+        _, timer = link.sent.pop(transfer.id)
+        timer.cancel()
+        return False
+
+    # -- receiving -------------------------------------------------------------------------
+    def _post_header_recv(self, link: _Link) -> None:
+        link.lane.recv(link.header_buf, HEADER_TAG, partial(self._on_header, link))
+
+    def _on_header(self, link: _Link, error: BaseException | None) -> None:
+        if error is not None:
+            return  # the lane is closing; liveness is the control plane's job
+        try:
+            header: DataHeader = decode_header(link.header_buf)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return
+        self._post_header_recv(link)
+        if isinstance(header, Ack):
+            self._on_ack(link, header)
+        elif isinstance(header, WriteRequest):
+            self._on_write(link, header)
+        else:
+            self._on_message(link, header)
+
+    def _on_ack(self, link: _Link, ack: Ack) -> None:
+        error = error_from_code(ack.code, ack.reason) if ack.code else None
+        self._settle(link, ack.transfer_id, error)
+
+    def _on_write(self, link: _Link, req: WriteRequest) -> None:
+        lane, array = link.lane, self.region.array
+        finish = partial(self._answer, link, req.transfer_id)
+        try:
+            validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
+        except ProtocolError as exc:
+            self._drain(link, req, InvalidBlocks(str(exc)))
+            return
+        inbound = _Inbound(len(req.runs), finish)
+        for i, (start, count) in enumerate(req.runs):
+            lane.recv(array[start : start + count], data_tag(req.seq + i), inbound.part_done)
+
+    def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
+        """Receive a refused write's payload into scratch memory, then send the refusal."""
+        block_len = self.region.block_len
+        total = sum(count for _, count in req.runs)
+        if total > self.config.max_write_blocks or total * block_len > self.region.nbytes:
+            self._fault(link.peer.peer_id, ProtocolError(f"refused write is too large to drain: {reason}"))
+            return
+        log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
+        inbound = _Inbound(len(req.runs), lambda _error: self._answer(link, req.transfer_id, reason))
+        for i, (_, count) in enumerate(req.runs):
+            link.lane.recv(np.empty(count * block_len, np.uint8), data_tag(req.seq + i), inbound.part_done)
+
+    def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
+        try:
+            validate_message(hdr, self.config.max_message_bytes)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return
+        frames = [np.empty(size, np.uint8) for size in hdr.frames]
+        receiving = [(i, frame) for i, frame in enumerate(frames) if frame.nbytes]
+        deliver = partial(self._deliver, link, hdr, frames)
+        if not receiving:
+            deliver(None)
+            return
+        inbound = _Inbound(len(receiving), deliver)
+        for i, frame in receiving:
+            link.lane.recv(frame, data_tag(hdr.seq + i), inbound.part_done)
+
+    def _deliver(self, link: _Link, hdr: MessageHeader, frames: Frames, error: BaseException | None) -> None:
+        if error is not None:
+            self._answer(link, hdr.transfer_id, error)
+            return
+        sink = self.message_sink
+        if sink is None:
+            self._answer(link, hdr.transfer_id, TransferFailed("the receiver takes no messages"))
+            return
+        try:
+            pending = sink(link.peer.peer_id, hdr.key, hdr.meta, frames)
+        except OmniAsyncError as exc:
+            self._answer(link, hdr.transfer_id, exc)
+            return
+        if pending is None:
+            self._answer(link, hdr.transfer_id, None)
+        elif inspect.isawaitable(pending):
+            task = asyncio.ensure_future(pending)
+            task.add_done_callback(partial(self._sink_done, link, hdr.transfer_id))
+
+    def _sink_done(self, link: _Link, transfer_id: int, task: asyncio.Future[None]) -> None:
+        if task.cancelled():
+            self._answer(link, transfer_id, TransferFailed("the receiver cancelled the message"))
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, OmniAsyncError):
+            log.error("message sink failed", exc_info=error)
+            error = TransferFailed(f"the receiver failed: {error!r}")
+        self._answer(link, transfer_id, error)
+
+    def _answer(self, link: _Link, transfer_id: int, error: BaseException | None) -> None:
+        """Acknowledge an incoming transfer, or report why it failed, unless the lane is gone."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return
+        if error is None:
+            ack = Ack(transfer_id)
+        elif isinstance(error, OmniAsyncError):
+            ack = Ack(transfer_id, error.code, str(error)[:1000])
+        else:
+            ack = Ack(transfer_id, TransferFailed.code, f"receive failed: {error}"[:1000])
+        link.lane.send(encode_header(ack), HEADER_TAG, _ignore)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Fail every in-flight transfer with :class:`ClosedError` and close all lanes.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer_id in list(self._links):
+            self.remove_peer(peer_id, ClosedError("transport closed"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("transport is closed")
+
+    def _link(self, peer_id: str) -> _Link:
+        try:
+            return self._links[peer_id]
+        except KeyError:
+            raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
+
+
+def _ignore(_error: BaseException | None) -> None:
+    """Completion of a best-effort send (an acknowledgement)."""

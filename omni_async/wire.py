@@ -1,0 +1,217 @@
+"""The wire format, free of I/O: message structs, limits, tags, encoding and validation.
+
+Two families of messages travel between peers:
+
+* control messages over ZeroMQ (:data:`ControlMessage`): the handshake, heartbeats and goodbye;
+* data-plane headers over UCX tag messages (:data:`DataHeader`): a block write request, a
+  chunk message header and the receiver's acknowledgement.  The payload bytes follow as separate
+  UCX messages whose tags are built by :func:`data_tag`.
+
+Every decoder accepts ``bytes`` and either returns a fully validated struct or raises
+:class:`~omni_async.errors.ProtocolError`; nothing else escapes, whatever the input.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Final, TypeAlias
+
+import msgspec
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+
+# -- limits ---------------------------------------------------------------------------------
+MAX_CONTROL_BYTES: Final = 16 * 1024
+"""Largest control message accepted from ZeroMQ."""
+MAX_METADATA_BYTES: Final = 4096
+"""Largest agent metadata (a UCX worker address is ~100-200 bytes)."""
+MAX_PEER_ID: Final = 256
+MAX_REASON: Final = 1024
+MAX_HEADER_BYTES: Final = 64 * 1024
+"""Largest data-plane header (length prefix included); the receive buffer per peer."""
+MAX_RUNS: Final = 4096
+"""Most runs in one block write."""
+MAX_FRAMES: Final = 1024
+"""Most payload frames in one chunk message."""
+MAX_KEY: Final = 1024
+MAX_META_BYTES: Final = 48 * 1024
+I64: Final = (1 << 63) - 1
+
+PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID)]
+Fingerprint = Annotated[str, msgspec.Meta(max_length=64)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+Code = Annotated[str, msgspec.Meta(max_length=32)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=I64)]  # msgspec bounds stop at int64
+Count = Annotated[int, msgspec.Meta(ge=1, le=I64)]
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, tag_field="t"):
+    pass
+
+
+# -- control plane (ZeroMQ) ------------------------------------------------------------------
+class Hello(_Msg, tag="hello"):
+    """First message of a handshake; :class:`Welcome` is the same description of the other side.
+
+    ``agent_metadata`` is the address of the UCX lane the sender opened for the receiver.
+    ``nonce`` identifies one incarnation of a service: a restarted peer comes back with a new one.
+    """
+
+    version: int
+    peer_id: PeerId
+    nonce: NonNeg
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_METADATA_BYTES)]
+    base_addr: NonNeg
+    num_blocks: Count
+    block_len: Count
+    fingerprint: Fingerprint
+
+
+class Welcome(Hello, tag="welcome"):
+    """Accepts a :class:`Hello`; describes the accepting side."""
+
+
+class Reject(_Msg, tag="reject"):
+    """Refuses a :class:`Hello`; ``code`` names the error type (see :mod:`omni_async.errors`)."""
+
+    code: Code
+    reason: Reason
+
+
+class Heartbeat(_Msg, tag="hb"):
+    """Liveness signal, sent every heartbeat interval in both directions."""
+
+
+class Bye(_Msg, tag="bye"):
+    """Orderly goodbye: the sender is closing and forgets the receiver."""
+
+    reason: Reason = ""
+
+
+ControlMessage: TypeAlias = Hello | Welcome | Reject | Heartbeat | Bye
+
+
+# -- data plane headers (UCX) ----------------------------------------------------------------
+class WriteRequest(_Msg, tag="w"):
+    """A block write: ``runs`` are ``(remote_start, count)``; run ``i`` is tagged ``seq + i``."""
+
+    transfer_id: NonNeg
+    seq: NonNeg
+    runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
+
+
+class MessageHeader(_Msg, tag="m"):
+    """A chunk message: opaque ``meta`` plus frames of the given sizes, frame ``i`` tagged ``seq + i``."""
+
+    transfer_id: NonNeg
+    seq: NonNeg
+    key: Annotated[str, msgspec.Meta(max_length=MAX_KEY)]
+    meta: Annotated[bytes, msgspec.Meta(max_length=MAX_META_BYTES)]
+    frames: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_FRAMES)]
+
+
+class Ack(_Msg, tag="a"):
+    """The receiver's verdict on one transfer: ``code == ""`` means the data is in place."""
+
+    transfer_id: NonNeg
+    code: Code = ""
+    reason: Reason = ""
+
+
+DataHeader: TypeAlias = WriteRequest | MessageHeader | Ack
+
+_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
+_data_decoder = msgspec.msgpack.Decoder(DataHeader)
+_encoder = msgspec.msgpack.Encoder()
+_LEN = struct.Struct("<I")
+
+
+def encode_control(msg: ControlMessage) -> bytes:
+    """Encode a control message for ZeroMQ."""
+    return _encoder.encode(msg)
+
+
+def decode_control(data: bytes) -> ControlMessage:
+    """Decode and validate one control message; raise :class:`ProtocolError` on anything wrong."""
+    if len(data) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+    msg = _decode(_control_decoder, data, "control message")
+    if isinstance(msg, Hello):  # Welcome too; the version is checked by the handshake
+        check_layout(msg.base_addr, msg.num_blocks, msg.block_len)
+    return msg
+
+
+def check_layout(base_addr: int, num_blocks: int, block_len: int) -> None:
+    """A region layout must fit in the (signed) 64-bit address space."""
+    if base_addr + num_blocks * block_len > I64 + 1:
+        raise ProtocolError(
+            f"region at {base_addr:#x} of {num_blocks}x{block_len} bytes overflows the 63-bit address space"
+        )
+
+
+def encode_header(msg: DataHeader) -> bytes:
+    """Encode a data-plane header with its 4-byte length prefix (the receiver's buffer is fixed)."""
+    body = _encoder.encode(msg)
+    if len(body) + _LEN.size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES - _LEN.size}")
+    return _LEN.pack(len(body)) + body
+
+
+def decode_header(buffer: bytes | bytearray | memoryview) -> DataHeader:
+    """Decode a length-prefixed data-plane header from a receive buffer (may be longer)."""
+    view = memoryview(buffer)
+    if len(view) < _LEN.size:
+        raise ProtocolError("header shorter than its length prefix")
+    (length,) = _LEN.unpack_from(view)
+    if length > len(view) - _LEN.size:
+        raise ProtocolError(f"header claims {length} bytes, buffer holds {len(view) - _LEN.size}")
+    return _decode(_data_decoder, view[_LEN.size : _LEN.size + length], "data header")
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, what: str):  # type: ignore[no-untyped-def]
+    try:
+        return decoder.decode(data)
+    except Exception as exc:  # a trust boundary: every failure becomes a ProtocolError
+        raise ProtocolError(f"invalid {what}: {exc}") from None
+
+
+def validate_write(req: WriteRequest, num_blocks: int, max_blocks: int) -> int:
+    """Check a write against the receiving region; return its block count.
+
+    Raises :class:`ProtocolError` if a run leaves ``[0, num_blocks)`` or the write names more
+    than ``max_blocks`` blocks.
+    """
+    total = 0
+    for start, count in req.runs:
+        if start + count > num_blocks:
+            raise ProtocolError(
+                f"run of {count} blocks at {start} exceeds the region's {num_blocks} blocks"
+            )
+        total += count
+    if total > max_blocks:
+        raise ProtocolError(f"write of {total} blocks exceeds the limit of {max_blocks}")
+    return total
+
+
+def validate_message(hdr: MessageHeader, max_bytes: int) -> int:
+    """Check a chunk message header; return its payload size in bytes."""
+    total = sum(hdr.frames)
+    if total > max_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_bytes}")
+    return total
+
+
+# -- UCX tags --------------------------------------------------------------------------------
+# Each peer has its own UCX worker (a lane), so tags only need to tell headers from payload
+# messages: kind in the top 4 bits, a 60-bit sequence number below.
+HEADER_TAG: Final = 1 << 60
+"""Tag of every data-plane header."""
+_DATA_KIND: Final = 2 << 60
+_SEQ_MASK: Final = (1 << 60) - 1
+
+
+def data_tag(seq: int) -> int:
+    """Tag of payload message number ``seq`` on a lane."""
+    return _DATA_KIND | (seq & _SEQ_MASK)

@@ -1,0 +1,122 @@
+"""Shared fixtures: agents that are always closed, and a check that nothing is left running."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from omni_async import Agent, AgentConfig, BlockRegion
+
+# `make test` runs a modest number of generated cases; `make fuzz` sets HYPOTHESIS_PROFILE=fuzz.
+settings.register_profile("default", max_examples=200, deadline=None)
+settings.register_profile(
+    "fuzz", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# Loopback only; keep UCX on the lo interface in every test process.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+FAST = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "handshake_timeout": 2.0, "ucx_net_devices": "lo"}
+"""Timings that keep liveness tests short."""
+
+
+def fast_config(**overrides: Any) -> AgentConfig:
+    return AgentConfig(**{**FAST, **overrides})
+
+
+def leftover_tasks() -> list[asyncio.Task[Any]]:
+    current = asyncio.current_task()
+    return [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+
+
+@pytest.fixture
+async def make_agent() -> AsyncIterator[Callable[..., Any]]:
+    """``await make_agent(num_blocks, block_len, **config)``: a started agent closed at teardown.
+
+    Teardown also fails the test if any task is still pending or the loop saw an error.
+    """
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    agents: list[Agent] = []
+
+    async def factory(num_blocks: int = 64, block_len: int = 4096, **config: Any) -> Agent:
+        agent = Agent(BlockRegion.allocate(num_blocks, block_len), fast_config(**config))
+        agents.append(agent)
+        return await agent.start()
+
+    yield factory
+    for agent in agents:
+        await asyncio.wait_for(agent.close(), 10)
+    await asyncio.sleep(0)
+    assert leftover_tasks() == []
+    assert errors == [], errors
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PeerProcess:
+    """A ``tests.helpers.peer`` child process; ``info`` is the first JSON line it printed."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, info: dict[str, Any]) -> None:
+        self.proc = proc
+        self.info = info
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+    async def stop(self) -> int:
+        """Close its stdin (orderly stop) and wait for it; kill it after 10 s."""
+        if self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        return self.proc.returncode or 0
+
+
+@pytest.fixture
+async def spawn_peer() -> AsyncIterator[Callable[..., Any]]:
+    """``await spawn_peer(role, region_path, num_blocks, block_len, config, *extra)``."""
+    import json
+    import sys
+
+    procs: list[PeerProcess] = []
+
+    async def factory(role: str, path: str, num_blocks: int, block_len: int,
+                      config: dict[str, Any], *extra: str) -> PeerProcess:
+        with open(path, "ab") as f:
+            f.truncate(num_blocks * block_len)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.helpers.peer", role, path, str(num_blocks), str(block_len),
+            json.dumps({**FAST, **config}), *extra,
+            cwd=ROOT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        except TimeoutError:
+            proc.kill()
+            raise
+        if not line:
+            await proc.wait()
+            raise RuntimeError(f"peer process exited with {proc.returncode} before it was ready")
+        peer = PeerProcess(proc, json.loads(line))
+        procs.append(peer)
+        return peer
+
+    yield factory
+    for peer in procs:
+        peer.kill()
+        await asyncio.wait_for(peer.proc.wait(), 10)

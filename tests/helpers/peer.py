@@ -1,0 +1,60 @@
+"""A peer process for two-process tests: serves a region kept in a shared file.
+
+``python -m tests.helpers.peer serve REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
+  starts an agent over the memory-mapped file, prints ``{"address": ...}`` and serves until
+  its stdin closes (or it is killed).  Chunk messages it receives are appended to
+  ``REGION_FILE.messages`` as JSON lines.
+
+``python -m tests.helpers.peer write REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
+  connects to ADDRESS, prints ``{"connected": peer_id}`` and writes all its blocks there
+  in a loop until killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from omni_async import Agent, BlockRegion, load_config
+from omni_async.eventloop import run
+
+
+def region_file(path: str, num_blocks: int, block_len: int) -> BlockRegion:
+    return BlockRegion.wrap(np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, block_len)))
+
+
+def say(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def main(argv: list[str]) -> None:
+    role, path, num_blocks, block_len, config_json = argv[:5]
+    region = region_file(path, int(num_blocks), int(block_len))
+    config = load_config(json.loads(config_json), environ={})
+    async with Agent(region, config) as agent:
+        if role == "serve":
+            log = open(path + ".messages", "a")
+
+            def sink(peer_id: str, key: str, meta: bytes, frames: list[Any]) -> None:
+                log.write(json.dumps({"peer": peer_id, "key": key, "meta": meta.hex(),
+                                      "frames": [bytes(f).hex() for f in frames]}) + "\n")
+                log.flush()
+
+            agent.set_message_sink(sink)
+            say({"address": agent.control_address, "peer_id": agent.peer_id})
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, sys.stdin.read)
+        elif role == "write":
+            peer = await agent.connect(argv[5])
+            say({"connected": peer})
+            blocks = list(range(region.num_blocks))
+            while True:
+                await agent.write_blocks(peer, blocks, blocks)
+
+
+if __name__ == "__main__":
+    run(main(sys.argv[1:]))

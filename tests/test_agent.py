@@ -1,0 +1,260 @@
+"""Two agents in one process, over real ZeroMQ sockets and real UCX lanes."""
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from omni_async import (
+    ClosedError,
+    DeadlineExceeded,
+    FingerprintMismatch,
+    HandshakeRejected,
+    HandshakeTimeout,
+    InvalidBlocks,
+    LayoutMismatch,
+    PeerLost,
+    TransferCancelled,
+    UnknownPeer,
+    VersionMismatch,
+)
+from omni_async.wire import Hello, Reject, decode_control, encode_control
+
+from .conftest import leftover_tasks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fill(agent, seed=1):
+    rng = np.random.default_rng(seed)
+    agent.region.array[:] = rng.integers(0, 256, agent.region.array.shape, dtype=np.uint8)
+
+
+async def pair(make_agent, **config):
+    a = await make_agent(peer_id="a", **config)
+    b = await make_agent(peer_id="b", **config)
+    assert await asyncio.wait_for(a.connect(b.control_address), 5) == "b"
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    return a, b
+
+
+async def test_handshake_both_sides_know_each_other(make_agent):
+    a, b = await pair(make_agent)
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+    assert a.peers["b"].num_blocks == b.region.num_blocks
+    assert b.peers["a"].base_addr == a.region.base_addr
+
+
+async def test_scattered_and_contiguous_writes_byte_for_byte(make_agent):
+    a, b = await pair(make_agent)
+    fill(a)
+    local = [5, 6, 7, 8, 30, 2, 63, 0]
+    remote = [10, 11, 12, 13, 1, 40, 0, 63]
+    await asyncio.wait_for(a.write_blocks("b", local, remote), 5)
+    for li, ri in zip(local, remote):
+        assert np.array_equal(b.region.array[ri], a.region.array[li])
+    untouched = sorted(set(range(64)) - set(remote))
+    assert not b.region.array[untouched].any()
+    # contiguous, the other way round
+    fill(b, seed=2)
+    await asyncio.wait_for(b.write_blocks("a", list(range(16, 48)), list(range(32))), 5)
+    assert np.array_equal(a.region.array[:32], b.region.array[16:48])
+
+
+async def test_many_concurrent_transfers(make_agent):
+    a, b = await pair(make_agent, )
+    fill(a)
+    transfers = [a.write_blocks("b", [i], [63 - i]) for i in range(64) for _ in range(4)]
+    assert len({t.id for t in transfers}) == len(transfers)
+    await asyncio.wait_for(asyncio.gather(*transfers), 20)
+    assert np.array_equal(b.region.array[::-1], a.region.array)
+
+
+async def test_empty_write_completes(make_agent):
+    a, _ = await pair(make_agent)
+    transfer = a.write_blocks("b", [], [])
+    assert transfer.done()
+    await transfer
+
+
+async def test_fingerprint_mismatch_rejected_with_reason_on_both_sides(make_agent):
+    a = await make_agent(peer_id="a", config_fields={"model": "x"})
+    b = await make_agent(peer_id="b", config_fields={"model": "y"})
+    with pytest.raises(FingerprintMismatch, match="fingerprint"):
+        await a.connect(b.control_address)
+    assert b.control.stats.rejected == 1
+    assert a.peers == {} and b.peers == {}
+
+
+async def test_empty_fingerprint_is_compatible(make_agent):
+    a = await make_agent(peer_id="a", config_fields={"model": "x"})
+    b = await make_agent(peer_id="b")
+    assert await a.connect(b.control_address) == "b"
+
+
+async def test_layout_mismatch_rejected(make_agent):
+    a = await make_agent(peer_id="a", block_len=4096)
+    b = await make_agent(peer_id="b", block_len=8192)
+    with pytest.raises(LayoutMismatch, match="block_len"):
+        await a.connect(b.control_address)
+    assert b.peers == {} and a.peers == {}
+
+
+async def test_version_mismatch_from_raw_socket(make_agent):
+    b = await make_agent(peer_id="b")
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(b.control_address)
+        hello = Hello(version=99, peer_id="x", nonce=1, agent_metadata=b"", base_addr=0,
+                      num_blocks=64, block_len=4096, fingerprint="")
+        await sock.send(encode_control(hello))
+        reply = decode_control(await asyncio.wait_for(sock.recv(), 5))
+        assert isinstance(reply, Reject) and reply.code == VersionMismatch.code
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert b.peers == {}
+
+
+async def test_handshake_timeout(make_agent):
+    a = await make_agent(peer_id="a", handshake_timeout=0.3)
+    ctx = zmq.asyncio.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(HandshakeTimeout):
+            await a.connect(f"tcp://127.0.0.1:{port}")
+    finally:
+        silent.close(0)
+        ctx.term()
+    assert a.peers == {}
+
+
+async def test_duplicate_connect_rejected(make_agent):
+    a, b = await pair(make_agent)
+    with pytest.raises(HandshakeRejected, match="already connected"):
+        await b.connect(a.control_address)
+    assert set(a.peers) == {"b"}
+
+
+async def test_bad_indices_raise_before_any_byte_moves(make_agent):
+    a, b = await pair(make_agent)
+    fill(a)
+    with pytest.raises(InvalidBlocks):
+        a.write_blocks("b", [0, 1], [0])
+    with pytest.raises(InvalidBlocks):
+        a.write_blocks("b", [64], [0])
+    with pytest.raises(InvalidBlocks):
+        a.write_blocks("b", [0], [64])
+    with pytest.raises(InvalidBlocks):
+        a.write_blocks("b", [0], [-1])
+    with pytest.raises(UnknownPeer):
+        a.write_blocks("nobody", [0], [0])
+    await asyncio.sleep(0.05)
+    assert not b.region.array.any()
+
+
+async def test_receiver_refuses_out_of_range_write_and_keeps_serving(make_agent):
+    """Fault injection: the sender believes the receiver has more blocks than it has."""
+    a, b = await pair(make_agent)
+    fill(a)
+    link = a.transport._links["b"]
+    link.peer = dataclasses.replace(link.peer, num_blocks=128)
+    with pytest.raises(InvalidBlocks, match="exceeds the region"):
+        await asyncio.wait_for(a.write_blocks("b", [0, 1], [100, 101]), 5)
+    assert not b.region.array.any()
+    await asyncio.wait_for(a.write_blocks("b", [3], [4]), 5)
+    assert np.array_equal(b.region.array[4], a.region.array[3])
+    assert set(b.peers) == {"a"}
+
+
+async def test_cancel_immediate(make_agent):
+    a, _ = await pair(make_agent)
+    transfer = a.write_blocks("b", list(range(64)), list(range(64)))
+    assert a.cancel([transfer.id, 12345], "immediate") == []
+    with pytest.raises(TransferCancelled):
+        await transfer
+    assert a.transport.in_flight() == []
+
+
+async def test_cancel_wait_drains_then_settles(make_agent):
+    a, b = await pair(make_agent)
+    fill(a)
+    transfer = a.write_blocks("b", list(range(64)), list(range(64)))
+    assert a.cancel([transfer.id], "wait") == [transfer.id]
+    with pytest.raises(TransferCancelled):
+        await asyncio.wait_for(transfer, 5)
+    assert a.transport.in_flight() == []
+    assert a.cancel([transfer.id], "wait") == []
+
+
+async def test_transfer_deadline(make_agent):
+    a, b = await pair(make_agent, transfer_timeout=0.3)
+    never = asyncio.get_running_loop().create_future()
+    b.set_message_sink(lambda *args: never)
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(a.send_message("b", "k", b"", [b"x"]), 5)
+    never.cancel()
+
+
+async def test_remove_peer_fails_in_flight_and_tells_the_peer(make_agent):
+    a, b = await pair(make_agent)
+    never = asyncio.get_running_loop().create_future()
+    b.set_message_sink(lambda *args: never)
+    transfer = a.send_message("b", "k", b"", [b"x"])
+    assert await a.remove_peer("b")
+    with pytest.raises(PeerLost):
+        await transfer
+    await asyncio.wait_for(_until(lambda: not b.peers), 5)
+    assert not await a.remove_peer("b")
+    never.cancel()
+
+
+async def test_messages_round_trip(make_agent):
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append((peer, key, meta, [bytes(f) for f in frames])))
+    payload = np.arange(1000, dtype=np.float32)
+    await asyncio.wait_for(a.send_message("b", "r1:0:0", b"hdr", [payload, b"", b"tail"]), 5)
+    assert got == [("a", "r1:0:0", b"hdr", [payload.tobytes(), b"", b"tail"])]
+
+
+async def test_close_is_idempotent_and_fails_in_flight(make_agent):
+    a, b = await pair(make_agent)
+    never = asyncio.get_running_loop().create_future()
+    b.set_message_sink(lambda *args: never)
+    transfer = a.send_message("b", "k", b"", [b"x"])
+    await a.close()
+    await a.close()
+    with pytest.raises(ClosedError):
+        await transfer
+    with pytest.raises(ClosedError):
+        a.write_blocks("b", [0], [0])
+    await asyncio.wait_for(_until(lambda: not b.peers), 5)
+    never.cancel()
+    await b.close()
+    await asyncio.sleep(0)
+    assert leftover_tasks() == []
+
+
+async def test_idle_pair_does_not_spin(make_agent):
+    """Event-driven progress: an idle connected pair wakes only for heartbeats."""
+    a, b = await pair(make_agent, heartbeat_interval=0.5, heartbeat_timeout=3.0)
+    await a.write_blocks("b", [0], [0])
+    lanes = [a.transport._links["b"].lane, b.transport._links["a"].lane]
+    before = [lane.wakeups for lane in lanes]
+    import time
+    cpu0 = time.process_time()
+    await asyncio.sleep(1.0)
+    cpu = time.process_time() - cpu0
+    assert [lane.wakeups - w for lane, w in zip(lanes, before)] == [0, 0]
+    assert cpu < 0.1, f"idle pair used {cpu:.3f}s of CPU in 1s"
+
+
+async def _until(predicate, interval=0.01):
+    while not predicate():
+        await asyncio.sleep(interval)

@@ -1,0 +1,103 @@
+"""Two real processes on loopback: writes verified in the peer's memory, and kill -9 of either side.
+
+The peer process maps its region from a file, so this process can check every byte it holds.
+"""
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+
+from omni_async import PeerEvent, PeerLost
+
+from .conftest import FAST
+
+pytestmark = pytest.mark.timeout(90)
+
+NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024
+SHIPPED_TLS = ["^cma", "tcp"]
+"""Every UCX_TLS setting we ship or document; each is proven by the kill -9 tests below."""
+
+
+def peer_region(path):
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN))
+
+
+@pytest.mark.parametrize("tls", SHIPPED_TLS)
+async def test_writes_land_in_the_other_process(make_agent, spawn_peer, tmp_path, tls):
+    path = str(tmp_path / "region")
+    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", ucx_tls=tls)
+    rng = np.random.default_rng(7)
+    agent.region.array[:] = rng.integers(0, 256, agent.region.array.shape, dtype=np.uint8)
+    assert await asyncio.wait_for(agent.connect(peer.info["address"]), 10) == "rx"
+
+    scattered_local = [3, 9, 10, 11, 40, 2]
+    scattered_remote = [50, 0, 1, 2, 33, 20]
+    contiguous = list(range(8, 24))
+    await asyncio.wait_for(agent.write_blocks("rx", scattered_local, scattered_remote), 10)
+    await asyncio.wait_for(agent.write_blocks("rx", contiguous, [i - 4 for i in contiguous]), 10)
+
+    remote = peer_region(path)
+    expected = np.zeros_like(agent.region.array)
+    expected[scattered_remote] = agent.region.array[scattered_local]
+    expected[[i - 4 for i in contiguous]] = agent.region.array[contiguous]
+    assert np.array_equal(remote, expected)  # written blocks exact, untouched blocks still zero
+
+    await asyncio.wait_for(agent.send_message("rx", "req:0:0", b"m", [b"abc", np.arange(3, dtype=np.int16)]), 10)
+    assert await peer.stop() == 0
+    lines = [json.loads(line) for line in open(path + ".messages")]
+    assert lines == [{"peer": "tx", "key": "req:0:0", "meta": b"m".hex(),
+                      "frames": [b"abc".hex(), np.arange(3, dtype=np.int16).tobytes().hex()]}]
+
+
+@pytest.mark.parametrize("tls", SHIPPED_TLS)
+async def test_receiver_killed_mid_transfer_fails_awaiters_in_time(make_agent, spawn_peer, tmp_path, tls):
+    """The sender (this process) survives, and every awaiter fails with PeerLost promptly."""
+    path = str(tmp_path / "region")
+    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", ucx_tls=tls)
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    everything = list(range(NUM_BLOCKS))
+    await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
+
+    transfers = [agent.write_blocks("rx", everything, everything) for _ in range(128)]  # 512 MiB queued
+    peer.kill()
+    killed_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 15)
+    elapsed = time.monotonic() - killed_at
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert failures, "the kill came too late to catch a transfer in flight"
+    assert all(isinstance(r, PeerLost) for r in failures), {type(r) for r in failures}
+    assert elapsed < FAST["heartbeat_timeout"] + 2.0
+    assert agent.peers == {}
+    # This process keeps working: a new peer can join and receive.
+    peer2 = await spawn_peer("serve", str(tmp_path / "region2"), NUM_BLOCKS, BLOCK_LEN,
+                             {"ucx_tls": tls, "peer_id": "rx2"})
+    await asyncio.wait_for(agent.connect(peer2.info["address"]), 10)
+    await asyncio.wait_for(agent.write_blocks("rx2", [1], [2]), 10)
+
+
+@pytest.mark.parametrize("tls", SHIPPED_TLS)
+async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spawn_peer, tmp_path, tls):
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", ucx_tls=tls)
+    events: list[PeerEvent] = []
+    agent.add_peer_listener(events.append)
+    writer = await spawn_peer("write", str(tmp_path / "w"), NUM_BLOCKS, BLOCK_LEN,
+                              {"ucx_tls": tls, "peer_id": "tx"}, agent.control_address)
+    assert writer.info == {"connected": "rx"}
+    await asyncio.sleep(0.2)  # let it write for a while
+    writer.kill()
+    killed_at = time.monotonic()
+    while "tx" in agent.peers:
+        assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
+        await asyncio.sleep(0.02)
+    assert [e.kind for e in events] == ["joined", "left"] and isinstance(events[1].error, PeerLost)
+    # Still serving: another sender can connect and write.
+    other = await spawn_peer("serve", str(tmp_path / "o"), NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "o"})
+    await asyncio.wait_for(agent.connect(other.info["address"]), 10)
+    agent.region.array[5] = 42
+    await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
+    assert (peer_region(str(tmp_path / "o"))[6] == 42).all()

@@ -1,0 +1,107 @@
+import hashlib
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_async import BlockRegion, ConfigError, InvalidBlocks, config_fingerprint
+from omni_async.region import Run, fingerprints_compatible, plan_runs
+
+
+def seed_fingerprint(fields):
+    """The seed transport's fingerprint, written out independently."""
+    if not fields:
+        return ""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def test_fingerprint_empty_is_compatible_with_all():
+    assert config_fingerprint(None) == ""
+    assert config_fingerprint({}) == ""
+    assert fingerprints_compatible("", "abc")
+    assert fingerprints_compatible("abc", "")
+    assert fingerprints_compatible("abc", "abc")
+    assert not fingerprints_compatible("abc", "abd")
+
+
+def test_fingerprint_known_value():
+    # sha256('{"a":1,"b":"x"}') computed outside this code base.
+    assert config_fingerprint({"b": "x", "a": 1}) == hashlib.sha256(b'{"a":1,"b":"x"}').hexdigest()[:16]
+    assert config_fingerprint({"model": "m", "dtype": "bf16"}) == config_fingerprint({"dtype": "bf16", "model": "m"})
+
+
+@given(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=8), st.booleans()), max_size=6))
+def test_fingerprint_matches_seed(fields):
+    assert config_fingerprint(fields) == seed_fingerprint(fields)
+
+
+def test_allocate_and_views():
+    region = BlockRegion.allocate(8, 16)
+    assert (region.num_blocks, region.block_len, region.nbytes) == (8, 16, 128)
+    region.block(3)[:] = 7
+    assert region.array[3].sum() == 7 * 16
+    assert region.blocks(2, 3).shape == (48,)
+    assert region.base_addr == region.array.ctypes.data
+
+
+def test_wrap_is_zero_copy():
+    backing = np.zeros((4, 32), np.uint8)
+    region = BlockRegion.wrap(backing)
+    region.block(1)[:] = 5
+    assert backing[1, 0] == 5
+    mv = memoryview(bytearray(64)).cast("B", (2, 32))
+    assert BlockRegion.wrap(mv).num_blocks == 2
+    wide = np.zeros((4, 8), np.float32)
+    assert BlockRegion.wrap(wide).block_len == 32
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.zeros(8, np.uint8), np.zeros((4, 8), np.uint8)[:, ::2], np.zeros((0, 8), np.uint8), "nope"],
+)
+def test_wrap_rejects(bad):
+    with pytest.raises(ConfigError):
+        BlockRegion.wrap(bad)
+
+
+def test_wrap_rejects_readonly():
+    arr = np.zeros((2, 2), np.uint8)
+    arr.flags.writeable = False
+    with pytest.raises(ConfigError):
+        BlockRegion.wrap(arr)
+    with pytest.raises(ConfigError):
+        BlockRegion.wrap(memoryview(bytes(4)).cast("B", (2, 2)))
+
+
+@pytest.mark.parametrize("num_blocks,block_len", [(0, 4), (4, 0), (True, 4), (2.0, 4)])
+def test_allocate_rejects(num_blocks, block_len):
+    with pytest.raises(ConfigError):
+        BlockRegion.allocate(num_blocks, block_len)
+
+
+def test_plan_runs_coalesces_both_sides():
+    assert plan_runs([0, 1, 2, 7, 8], [10, 11, 12, 3, 4], 16, 16) == [Run(0, 10, 3), Run(7, 3, 2)]
+    assert plan_runs([0, 1], [5, 7], 16, 16) == [Run(0, 5, 1), Run(1, 7, 1)]
+    assert plan_runs([], [], 1, 1) == []
+    assert plan_runs(np.array([3, 4]), np.array([0, 1]), 5, 5) == [Run(3, 0, 2)]
+
+
+@pytest.mark.parametrize(
+    "local,remote",
+    [([0, 1], [0]), ([16], [0]), ([0], [16]), ([-1], [0]), ([0.0], [0]), ([True], [0]), (["1"], [0])],
+)
+def test_plan_runs_rejects(local, remote):
+    with pytest.raises(InvalidBlocks):
+        plan_runs(local, remote, 16, 16)
+
+
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 31)), max_size=80))
+def test_plan_runs_covers_exactly(pairs):
+    local = [p[0] for p in pairs]
+    remote = [p[1] for p in pairs]
+    runs = plan_runs(local, remote, 64, 32)
+    expanded = [(r.local + i, r.remote + i) for r in runs for i in range(r.count)]
+    assert expanded == pairs

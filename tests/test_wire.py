@@ -1,0 +1,168 @@
+"""The wire format: round trips, limits, and fuzzing (any input → valid struct or ProtocolError)."""
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_async import ProtocolError
+from omni_async import wire
+from omni_async.wire import (
+    Ack,
+    Bye,
+    Heartbeat,
+    Hello,
+    MessageHeader,
+    Reject,
+    Welcome,
+    WriteRequest,
+    data_tag,
+    decode_control,
+    decode_header,
+    encode_control,
+    encode_header,
+    validate_message,
+    validate_write,
+)
+
+HELLO = Hello(
+    version=1, peer_id="p", nonce=7, agent_metadata=b"\x01" * 81, base_addr=0x7F0000000000,
+    num_blocks=64, block_len=4096, fingerprint="abcd",
+)
+CONTROL = [HELLO, Welcome(**msgspec.structs.asdict(HELLO)), Reject(code="layout", reason="no"), Heartbeat(), Bye("done")]
+HEADERS = [
+    WriteRequest(transfer_id=1, seq=0, runs=[(0, 3), (9, 1)]),
+    MessageHeader(transfer_id=2, seq=5, key="r:0:1", meta=b"m", frames=[10, 0, 4]),
+    Ack(transfer_id=3),
+    Ack(transfer_id=3, code="invalid_blocks", reason="bad"),
+]
+
+
+@pytest.mark.parametrize("msg", CONTROL, ids=lambda m: type(m).__name__)
+def test_control_round_trip(msg):
+    decoded = decode_control(encode_control(msg))
+    assert decoded == msg and type(decoded) is type(msg)
+
+
+@pytest.mark.parametrize("msg", HEADERS, ids=lambda m: type(m).__name__)
+def test_header_round_trip(msg):
+    buf = bytearray(wire.MAX_HEADER_BYTES)
+    data = encode_header(msg)
+    buf[: len(data)] = data
+    assert decode_header(buf) == msg
+
+
+def test_exact_types():
+    for bad in (
+        HELLO.__class__(**{**msgspec.structs.asdict(HELLO), "num_blocks": True}),
+        HELLO.__class__(**{**msgspec.structs.asdict(HELLO), "num_blocks": 0}),
+        HELLO.__class__(**{**msgspec.structs.asdict(HELLO), "base_addr": -1}),
+        HELLO.__class__(**{**msgspec.structs.asdict(HELLO), "peer_id": ""}),
+        HELLO.__class__(**{**msgspec.structs.asdict(HELLO), "agent_metadata": b"x" * (wire.MAX_METADATA_BYTES + 1)}),
+    ):
+        with pytest.raises(ProtocolError):
+            decode_control(msgspec.msgpack.encode(bad))
+
+
+def test_layout_must_fit_64_bits():
+    big = HELLO.__class__(**{**msgspec.structs.asdict(HELLO), "base_addr": wire.I64 - 10, "num_blocks": 4, "block_len": 4})
+    with pytest.raises(ProtocolError, match="overflows"):
+        decode_control(encode_control(big))
+
+
+def test_oversized_control_rejected():
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode_control(b"\x00" * (wire.MAX_CONTROL_BYTES + 1))
+
+
+def test_header_length_prefix_checked():
+    with pytest.raises(ProtocolError):
+        decode_header(b"\x01\x00")
+    with pytest.raises(ProtocolError):
+        decode_header(b"\xff\xff\x00\x00" + b"\x00" * 10)
+    with pytest.raises(ProtocolError):
+        encode_header(WriteRequest(transfer_id=1, seq=0, runs=[(1 << 40, 1 << 40)] * 10_000))
+
+
+def test_validate_write_bounds_and_limit():
+    assert validate_write(WriteRequest(1, 0, [(0, 4), (60, 4)]), 64, 100) == 8
+    with pytest.raises(ProtocolError, match="exceeds the region"):
+        validate_write(WriteRequest(1, 0, [(61, 4)]), 64, 100)
+    with pytest.raises(ProtocolError, match="limit"):
+        validate_write(WriteRequest(1, 0, [(0, 64)]), 64, 10)
+
+
+def test_validate_message_limit():
+    assert validate_message(MessageHeader(1, 0, "k", b"", [3, 4]), 10) == 7
+    with pytest.raises(ProtocolError):
+        validate_message(MessageHeader(1, 0, "k", b"", [8, 4]), 10)
+
+
+def test_tags_are_distinct():
+    assert wire.HEADER_TAG != data_tag(0)
+    assert data_tag(1) != data_tag(2)
+    assert data_tag((1 << 60) + 5) == data_tag(5)
+
+
+# -- fuzzing --------------------------------------------------------------------------------
+def _decode_control_or_protocol_error(data: bytes) -> None:
+    try:
+        msg = decode_control(data)
+    except ProtocolError:
+        return
+    assert isinstance(msg, (Hello, Welcome, Reject, Heartbeat, Bye))
+
+
+def _decode_header_or_protocol_error(data: bytes) -> None:
+    try:
+        msg = decode_header(data)
+    except ProtocolError:
+        return
+    assert isinstance(msg, (WriteRequest, MessageHeader, Ack))
+
+
+@given(st.binary(max_size=512))
+def test_fuzz_control_random_bytes(data):
+    _decode_control_or_protocol_error(data)
+
+
+@given(st.binary(max_size=512))
+def test_fuzz_header_random_bytes(data):
+    _decode_header_or_protocol_error(data)
+
+
+@st.composite
+def mutated(draw, messages, encode):
+    data = bytearray(encode(draw(st.sampled_from(messages))))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = draw(st.integers(0, max(len(data) - 1, 0)))
+        if op == "flip" and data:
+            data[pos] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del data[pos:]
+        else:
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+@given(mutated(CONTROL, encode_control))
+def test_fuzz_control_mutations(data):
+    _decode_control_or_protocol_error(data)
+
+
+@given(mutated(HEADERS, encode_header))
+def test_fuzz_header_mutations(data):
+    _decode_header_or_protocol_error(data)
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=10) | st.binary(max_size=10),
+    lambda children: st.lists(children, max_size=12) | st.dictionaries(st.text(max_size=5), children, max_size=5),
+    max_leaves=40,
+))
+def test_fuzz_structured_values(value):
+    """Well-formed msgpack of the wrong shape is a ProtocolError too."""
+    data = msgspec.msgpack.encode(value)
+    _decode_control_or_protocol_error(data)
+    _decode_header_or_protocol_error(len(data).to_bytes(4, "little") + data)
