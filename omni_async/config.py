@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -23,6 +23,7 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 ENV_PREFIX = "OMNI_ASYNC_"
+T = TypeVar("T", bound=msgspec.Struct)
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -68,39 +69,87 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return self.peer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
+class RegionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The block region a service allocates (``num_blocks × block_len`` bytes)."""
+
+    num_blocks: Positive = 256
+    block_len: Positive = 64 * 1024
+
+
+class ConnectorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which connector to build (``name`` in the registry) and its options (``extra``)."""
+
+    name: str = "ucx"
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class AdapterOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Chunk-stream settings of a :class:`~omni_async.adapter.TransferAdapter`."""
+
+    stall_timeout: PositiveSeconds = 30.0
+    """Seconds a waited-for request may go without a chunk before DeadlineExceeded."""
+    max_in_flight: Positive = 256
+    """Chunks sent and not yet acknowledged, per adapter."""
+    drain_timeout: PositiveSeconds = 5.0
+    """On close: how long queued and in-flight saves may take to finish."""
+
+
+class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything a :class:`~omni_async.service.ConnectorService` needs."""
+
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
+    region: RegionConfig = msgspec.field(default_factory=RegionConfig)
+    connector: ConnectorSpec = msgspec.field(default_factory=ConnectorSpec)
+    adapter: AdapterOptions = msgspec.field(default_factory=AdapterOptions)
+
+
 def load_config(
     data: Mapping[str, Any] | None = None,
     *,
     path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> AgentConfig:
-    """Merge a file, then ``data``, then ``OMNI_ASYNC_*`` variables, and validate the result.
+    schema: type[T] = AgentConfig,  # type: ignore[assignment]
+) -> T:
+    """Merge a file, then ``data``, then ``OMNI_ASYNC_*`` variables; validate as ``schema``.
 
-    ``environ`` defaults to ``os.environ``; pass ``{}`` to ignore the environment.
+    Nested fields are reached with ``__`` in variable names (``OMNI_ASYNC_AGENT__PORT=5555``
+    for :class:`ServiceConfig`).  ``environ`` defaults to ``os.environ``; ``{}`` ignores it.
     """
     merged: dict[str, Any] = {}
     if path is not None:
         merged.update(_read_file(Path(path)))
-    merged.update(data or {})
+    _deep_update(merged, dict(data or {}))
     env = os.environ if environ is None else environ
-    fields = set(AgentConfig.__struct_fields__)
     for key, value in env.items():
-        if key.startswith(ENV_PREFIX):
-            name = key[len(ENV_PREFIX) :].lower()
-            if name in fields:
-                merged[name] = _from_env(name, value)
+        if key.startswith(ENV_PREFIX) and len(key) > len(ENV_PREFIX):
+            *parents, name = key[len(ENV_PREFIX) :].lower().split("__")
+            target = merged
+            for parent in parents:
+                target = target.setdefault(parent, {})
+                if not isinstance(target, dict):
+                    raise ConfigError(f"{key} names a field inside {parent!r}, which is not a section")
+            target[name] = _from_env(key, value)
     try:
-        return msgspec.convert(merged, AgentConfig, strict=False)
+        return msgspec.convert(merged, schema, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
 
 
-def _from_env(name: str, value: str) -> Any:
-    if name == "config_fields":
+def _deep_update(target: dict[str, Any], data: Mapping[str, Any]) -> None:
+    for key, value in data.items():
+        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
+            _deep_update(target[key], value)
+        else:
+            target[key] = value
+
+
+def _from_env(key: str, value: str) -> Any:
+    """Values that look like JSON objects, arrays or null are parsed; the rest stay strings."""
+    if value[:1] in ("{", "[") or value == "null":
         try:
             return msgspec.json.decode(value)
         except msgspec.DecodeError as exc:
-            raise ConfigError(f"{ENV_PREFIX}CONFIG_FIELDS is not JSON: {exc}") from None
+            raise ConfigError(f"{key} is not valid JSON: {exc}") from None
     return value
 
 

@@ -130,6 +130,7 @@ REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {
         FingerprintMismatch,
         LayoutMismatch,
         TransferFailed,
+        TransferCancelled,
         InvalidBlocks,
         ClosedError,
         UnknownPeer,

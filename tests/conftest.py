@@ -59,6 +59,28 @@ async def make_agent() -> AsyncIterator[Callable[..., Any]]:
     assert errors == [], errors
 
 
+@pytest.fixture
+async def make_service() -> AsyncIterator[Callable[..., Any]]:
+    """``await make_service(peer_id, **sections)``: a started ConnectorService closed at teardown."""
+    from omni_async.config import ServiceConfig, load_config
+    from omni_async.service import ConnectorService
+
+    services: list[ConnectorService] = []
+
+    async def factory(peer_id: str, *, agent: dict[str, Any] | None = None, **sections: Any) -> ConnectorService:
+        data = {"agent": {**FAST, "peer_id": peer_id, **(agent or {})},
+                "region": {"num_blocks": 32, "block_len": 4096}, **sections}
+        service = ConnectorService(load_config(data, environ={}, schema=ServiceConfig))
+        services.append(service)
+        return await service.start()
+
+    yield factory
+    for service in services:
+        await asyncio.wait_for(service.close(), 15)
+    await asyncio.sleep(0)
+    assert leftover_tasks() == []
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

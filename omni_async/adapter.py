@@ -1,0 +1,329 @@
+"""The :class:`TransferAdapter`: per-request chunk streams between pipeline stages.
+
+It replaces the seed adapter's save thread, recv thread and polled finished/failed sets:
+
+* ``save_async(request_id, chunk, final=...)`` queues a chunk and returns a future; one save
+  task (woken by the queue, never by a timer) sends queued chunks in order, at most
+  ``max_in_flight`` unacknowledged at a time, so a slow receiver back-pressures the sender.
+  The future resolves when the receiver acknowledged the chunk, or fails with the reason.
+* ``load_async(request_id)`` returns a future for the request's next chunk;
+  ``stream(request_id)`` iterates the chunks in order and ends after the ``final`` one.  The
+  receive side is driven by arriving messages (the connector's sink), not by a loop.
+* A request whose next chunk does not arrive within ``stall_timeout`` of the last one fails its
+  waiter with :class:`~omni_async.errors.DeadlineExceeded` and is cleaned up.
+
+Chunk ``i`` of request ``r`` travels under the key ``f"{r}:{stage}:{i}"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from .config import AdapterOptions
+from .connector import Connector
+from .errors import ClosedError, DeadlineExceeded, OmniAsyncError, ProtocolError, TransferCancelled
+from .serde import Payload
+from .transport import Transfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One received chunk: ``data`` is the payload mapping the sender saved."""
+
+    request_id: str
+    index: int
+    data: dict[str, Any]
+    final: bool
+
+
+@dataclass(eq=False)
+class _Save:
+    request_id: str
+    index: int
+    data: Payload
+    final: bool
+    cancelled: bool
+    future: asyncio.Future[None]
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """Receive-side state of one request."""
+
+    next_index: int = 0
+    waiters: deque[asyncio.Future[Chunk]] = field(default_factory=deque)
+    timer: asyncio.TimerHandle | None = None
+
+
+class TransferAdapter:
+    """Chunk streams of one pipeline ``stage`` over a connector.
+
+    ``peer_id`` is where saved chunks go (None: this adapter only receives); ``source`` is the
+    peer chunks come from, if known (its loss then fails waiters at once with ``PeerLost``).
+    """
+
+    def __init__(
+        self,
+        connector: Connector,
+        stage: str,
+        *,
+        peer_id: str | None = None,
+        source: str | None = None,
+        options: AdapterOptions | None = None,
+    ) -> None:
+        if ":" in stage:
+            raise ValueError("a stage name must not contain ':'")
+        self.connector = connector
+        self.stage = stage
+        self.peer_id = peer_id
+        self.source = source
+        self.options = options or AdapterOptions()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[_Save] = asyncio.Queue()
+        self._window = asyncio.Semaphore(self.options.max_in_flight)
+        self._next_save: dict[str, int] = {}
+        self._unsettled: set[asyncio.Future[None]] = set()
+        self._incoming: dict[str, _Incoming] = {}
+        self._save_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- saving -----------------------------------------------------------------------------
+    def save_async(self, request_id: str, chunk: Payload, *, final: bool = False) -> asyncio.Future[None]:
+        """Queue ``chunk`` as the request's next chunk; the future resolves on the receiver's ack.
+
+        The chunk's arrays are borrowed until then.  Raises :class:`ClosedError` once closing.
+        """
+        return self._enqueue(request_id, chunk, final=final, cancelled=False)
+
+    async def save(self, request_id: str, chunk: Payload, *, final: bool = False) -> None:
+        """Save and wait for the receiver's acknowledgement."""
+        await self.save_async(request_id, chunk, final=final)
+
+    def _enqueue(self, request_id: str, chunk: Payload, *, final: bool, cancelled: bool) -> asyncio.Future[None]:
+        if self._closing:
+            raise ClosedError("adapter is closed")
+        if self.peer_id is None:
+            raise ValueError("this adapter has no destination peer (peer_id=None)")
+        index = self._next_save.get(request_id, 0)
+        if final or cancelled:
+            self._next_save.pop(request_id, None)
+        else:
+            self._next_save[request_id] = index + 1
+        future: asyncio.Future[None] = self._loop.create_future()
+        future.add_done_callback(_log_failure)
+        self._unsettled.add(future)
+        future.add_done_callback(self._unsettled.discard)
+        self._queue.put_nowait(_Save(request_id, index, chunk, final, cancelled, future))
+        if self._save_task is None:
+            self._save_task = self._loop.create_task(self._save_loop(), name=f"omni-adapter-save-{self.stage}")
+        return future
+
+    async def _save_loop(self) -> None:
+        assert self.peer_id is not None
+        while True:
+            item = await self._queue.get()
+            await self._window.acquire()
+            envelope = {"final": item.final, "cancelled": item.cancelled, "data": item.data}
+            try:
+                transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), envelope)
+            except (OmniAsyncError, TypeError, ValueError) as exc:
+                self._window.release()
+                if not item.future.done():
+                    item.future.set_exception(exc)
+                continue
+            transfer.add_done_callback(partial(self._saved, item.future))
+
+    def _saved(self, future: asyncio.Future[None], transfer: Transfer) -> None:
+        self._window.release()
+        if future.done():
+            return
+        error = transfer.error()
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # -- loading ----------------------------------------------------------------------------
+    def load_async(self, request_id: str) -> asyncio.Future[Chunk]:
+        """A future for the request's next chunk (in order).  Raises :class:`ClosedError` once closing."""
+        if self._closing:
+            raise ClosedError("adapter is closed")
+        state = self._incoming.get(request_id)
+        if state is None:
+            state = self._incoming[request_id] = _Incoming()
+        index = state.next_index
+        state.next_index += 1
+        result: asyncio.Future[Chunk] = self._loop.create_future()
+        result.add_done_callback(_retrieve)
+        state.waiters.append(result)
+        payload = self.connector.wait_for(self._key(request_id, index), source=self.source)
+        payload.add_done_callback(partial(self._arrived, request_id, index, result))
+        result.add_done_callback(partial(self._load_cancelled, request_id, index, payload))
+        if not payload.done() and state.timer is None:
+            state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
+        return result
+
+    async def load(self, request_id: str) -> Chunk:
+        """Wait for the request's next chunk."""
+        return await self.load_async(request_id)
+
+    async def stream(self, request_id: str) -> AsyncIterator[Chunk]:
+        """Yield the request's chunks in order; stop after the final one."""
+        while True:
+            chunk = await self.load(request_id)
+            yield chunk
+            if chunk.final:
+                return
+
+    def _arrived(
+        self, request_id: str, index: int, result: asyncio.Future[Chunk], payload: asyncio.Future[dict[str, Any]]
+    ) -> None:
+        state = self._incoming.get(request_id)
+        if state is not None and state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+            if any(not w.done() and w is not result for w in state.waiters):
+                state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
+        if payload.cancelled():
+            result.cancel()
+            return
+        error = payload.exception()  # retrieved even when the result was settled already
+        if result.done():
+            return
+        if error is None:
+            error, chunk = self._unwrap(request_id, index, payload.result())
+        if error is not None:
+            result.set_exception(error)
+            self.cleanup(request_id)
+            return
+        result.set_result(chunk)
+        if state is not None:
+            state.waiters.remove(result)
+            if chunk.final:
+                self._forget(request_id)
+
+    @staticmethod
+    def _unwrap(request_id: str, index: int, envelope: dict[str, Any]) -> tuple[OmniAsyncError | None, Any]:
+        final, cancelled, data = envelope.get("final"), envelope.get("cancelled"), envelope.get("data")
+        if type(final) is not bool or type(cancelled) is not bool or not isinstance(data, dict):
+            return ProtocolError(f"chunk {index} of {request_id!r} is not a chunk envelope"), None
+        if cancelled:
+            return TransferCancelled(f"request {request_id!r} was cancelled by its sender"), None
+        return None, Chunk(request_id, index, data, final)
+
+    def _load_cancelled(
+        self, request_id: str, index: int, payload: asyncio.Future[Any], result: asyncio.Future[Chunk]
+    ) -> None:
+        """A load given up by its owner (e.g. ``wait_for`` timed out) withdraws its wait.
+
+        The stream stays usable when it was the latest load and its chunk had not arrived: the
+        next load asks for the same chunk again.  Otherwise the request cannot stay in order
+        and is cleaned up.
+        """
+        if not result.cancelled():
+            return
+        state = self._incoming.get(request_id)
+        if state is None:
+            return
+        if result in state.waiters:
+            state.waiters.remove(result)
+        if not payload.done() and state.next_index == index + 1:
+            payload.cancel()
+            state.next_index = index
+            if not state.waiters and state.timer is not None:
+                state.timer.cancel()
+                state.timer = None
+        else:
+            payload.cancel()
+            self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
+
+    def _stalled(self, request_id: str) -> None:
+        state = self._incoming.get(request_id)
+        if state is None:
+            return
+        state.timer = None
+        self.cleanup(
+            request_id,
+            DeadlineExceeded(f"request {request_id!r} got no chunk for {self.options.stall_timeout}s"),
+        )
+
+    # -- cleanup ----------------------------------------------------------------------------
+    def cleanup(self, request_id: str, error: OmniAsyncError | None = None) -> None:
+        """Forget a request: fail its waiters, drop its buffered chunks, refuse late ones.
+
+        Idempotent.  Waiters get ``error`` (default :class:`TransferCancelled`).
+        """
+        error = error or TransferCancelled(f"request {request_id!r} cleaned up")
+        state = self._forget(request_id)
+        if state is not None:
+            for waiter in state.waiters:
+                if not waiter.done():
+                    waiter.set_exception(error)
+        self.connector.discard(f"{request_id}:{self.stage}:", error, refuse_later=True)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request on both sides: local waiters fail, and if this side was sending
+        it, the receiver's waiters fail with :class:`TransferCancelled`.  Idempotent."""
+        if request_id in self._next_save and not self._closing:
+            self._enqueue(request_id, {}, final=False, cancelled=True)
+        self.cleanup(request_id)
+
+    def _forget(self, request_id: str) -> _Incoming | None:
+        state = self._incoming.pop(request_id, None)
+        if state is not None and state.timer is not None:
+            state.timer.cancel()
+        return state
+
+    @property
+    def active_requests(self) -> int:
+        """Requests with receive-side state (waiters or a stall timer)."""
+        return len(self._incoming)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop accepting, let queued and in-flight saves finish for up to ``drain_timeout``,
+        then fail what is left with :class:`ClosedError`.  Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        pending = list(self._unsettled)
+        if pending:
+            await asyncio.wait(pending, timeout=self.options.drain_timeout)
+        if self._save_task is not None:
+            self._save_task.cancel()
+            await asyncio.gather(self._save_task, return_exceptions=True)
+        closed = ClosedError("adapter closed")
+        for future in list(self._unsettled):
+            if not future.done():
+                future.set_exception(closed)
+        for request_id in list(self._incoming):
+            self.cleanup(request_id, closed)
+
+    async def __aenter__(self) -> TransferAdapter:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _key(self, request_id: str, index: int) -> str:
+        return f"{request_id}:{self.stage}:{index}"
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """A load failure belongs to whoever awaits the future; one nobody awaits is not an error."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _log_failure(future: asyncio.Future[None]) -> None:
+    """Save failures reach their future's owner; log them too so none goes unseen."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("chunk save failed: %s", future.exception())

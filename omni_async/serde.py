@@ -1,0 +1,184 @@
+"""The payload codec, free of I/O: a chunk becomes a msgpack header plus out-of-band frames.
+
+A chunk is a mapping of ``str`` to values that are numpy arrays, ``bytes``, ``str``, ``int``,
+``float``, ``bool``, ``None``, or lists and ``str``-keyed mappings of those.  Arrays and byte
+strings are not serialized: they travel as separate frames (views of the caller's memory, no
+pickle, no copy when the array is C-contiguous little-endian), and the header refers to them by
+index.  Decoding checks the header's types, nesting, the dtype whitelist and that every
+``shape × itemsize`` equals its frame's length; anything wrong raises
+:class:`~omni_async.errors.ProtocolError`.  Decoded arrays are zero-copy views of the received
+frames, which the decoder's caller hands over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, TypeAlias
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from .errors import ProtocolError
+
+Payload: TypeAlias = Mapping[str, Any]
+
+MAX_DEPTH: Final = 32
+MAX_NODES: Final = 100_000
+MAX_NDIM: Final = 32
+_EXT_ARRAY: Final = 1
+_EXT_BYTES: Final = 2
+
+#: dtypes that may travel, by their little-endian ``dtype.str``.
+ALLOWED_DTYPES: Final = frozenset(
+    np.dtype(name).newbyteorder("<").str
+    for name in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+)
+
+_ArraySpec = tuple[str, list[int]]  # dtype.str, shape
+_encoder = msgspec.msgpack.Encoder()
+
+
+class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    tree: Any
+    arrays: list[tuple[str, list[int]]]
+    """Per frame: ``(dtype, shape)`` for an array, ``("", [])`` for a byte string."""
+
+
+def encode(payload: Payload) -> tuple[bytes, list[Any]]:
+    """Return ``(header, frames)``; the frames borrow the payload's memory (byte views).
+
+    Raises :class:`TypeError` for a value that cannot travel (and ``ValueError`` for nesting
+    beyond :data:`MAX_DEPTH`).  The payload must not change until the send completes.
+    """
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"a payload must be a mapping of str to values, got {type(payload).__name__}")
+    frames: list[Any] = []
+    specs: list[_ArraySpec] = []
+    tree = _encode_value(payload, frames, specs, 0)
+    return _encoder.encode(_Header(tree, specs)), frames
+
+
+def _encode_value(value: Any, frames: list[Any], specs: list[_ArraySpec], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"payload nesting exceeds {MAX_DEPTH} levels")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, np.ndarray):
+        return _encode_array(value, frames, specs)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        view = memoryview(value)
+        if not view.c_contiguous:
+            raise TypeError("a memoryview in a payload must be C-contiguous")
+        frames.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+        specs.append(("", []))
+        return msgspec.msgpack.Ext(_EXT_BYTES, (len(frames) - 1).to_bytes(4, "little"))
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"payload keys must be str, got {type(key).__name__}")
+            out[key] = _encode_value(item, frames, specs, depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_encode_value(item, frames, specs, depth + 1) for item in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} in a payload")
+
+
+def _encode_array(array: npt.NDArray[Any], frames: list[Any], specs: list[_ArraySpec]) -> Any:
+    wire_dtype = array.dtype.newbyteorder("<")
+    if wire_dtype.str not in ALLOWED_DTYPES:
+        raise TypeError(f"dtype {array.dtype} cannot travel (allowed: {sorted(ALLOWED_DTYPES)})")
+    shape = list(array.shape)  # before ascontiguousarray, which turns 0-d arrays into 1-d
+    array = np.ascontiguousarray(array, dtype=wire_dtype)  # copies only if layout or byte order differ
+    frames.append(array.reshape(-1).view(np.uint8))
+    specs.append((wire_dtype.str, shape))
+    return msgspec.msgpack.Ext(_EXT_ARRAY, (len(frames) - 1).to_bytes(4, "little"))
+
+
+def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, Any]:
+    """Rebuild a payload from a header and its frames (taken over, not copied).
+
+    Raises :class:`ProtocolError` for anything malformed, out of the whitelist or inconsistent.
+    """
+    try:
+        decoded = msgspec.msgpack.decode(header, type=_Header, ext_hook=_ref)
+    except Exception as exc:  # a trust boundary: every decoder failure is a ProtocolError
+        raise ProtocolError(f"invalid payload header: {exc}") from None
+    if len(decoded.arrays) != len(frames):
+        raise ProtocolError(f"payload header names {len(decoded.arrays)} frames, {len(frames)} arrived")
+    values = [_decode_frame(spec, frame) for spec, frame in zip(decoded.arrays, frames)]
+    if not isinstance(decoded.tree, dict):
+        raise ProtocolError("a payload must be a mapping at the top")
+    budget = [MAX_NODES]
+    result = _resolve(decoded.tree, values, 0, budget)
+    assert isinstance(result, dict)
+    return result
+
+
+class _Ref:
+    __slots__ = ("kind", "index")
+
+    def __init__(self, kind: int, index: int) -> None:
+        self.kind = kind
+        self.index = index
+
+
+def _ref(code: int, data: memoryview) -> _Ref:
+    if code not in (_EXT_ARRAY, _EXT_BYTES) or len(data) != 4:
+        raise ValueError(f"unknown extension {code}")
+    return _Ref(code, int.from_bytes(data, "little"))
+
+
+def _decode_frame(spec: tuple[str, list[int]], frame: npt.NDArray[np.uint8]) -> Any:
+    dtype_str, shape = spec
+    if not dtype_str:
+        if shape:
+            raise ProtocolError("a byte-string frame has no shape")
+        return frame.tobytes()
+    if dtype_str not in ALLOWED_DTYPES:
+        raise ProtocolError(f"dtype {dtype_str!r} is not allowed")
+    if len(shape) > MAX_NDIM or any(type(n) is not int or n < 0 for n in shape):
+        raise ProtocolError(f"invalid array shape {shape!r}")
+    dtype = np.dtype(dtype_str)
+    count = 1
+    for n in shape:
+        count *= n
+    if count * dtype.itemsize != frame.nbytes:
+        raise ProtocolError(
+            f"array of shape {shape} and dtype {dtype_str} needs {count * dtype.itemsize} bytes, "
+            f"its frame has {frame.nbytes}"
+        )
+    return frame.view(dtype).reshape(shape)
+
+
+def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ProtocolError(f"payload has more than {MAX_NODES} values")
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, _Ref):
+        if node.index >= len(values):
+            raise ProtocolError(f"payload refers to frame {node.index} of {len(values)}")
+        value = values[node.index]
+        if (node.kind == _EXT_BYTES) != isinstance(value, bytes):
+            raise ProtocolError(f"frame {node.index} is referred to as the wrong kind")
+        return value
+    if isinstance(node, list):
+        return [_resolve(item, values, depth + 1, budget) for item in node]
+    if isinstance(node, dict):
+        out = {}
+        for key, item in node.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"payload keys must be str, got {type(key).__name__}")
+            out[key] = _resolve(item, values, depth + 1, budget)
+        return out
+    raise ProtocolError(f"unexpected {type(node).__name__} in a payload")

@@ -1,0 +1,189 @@
+"""Chunk streams between two services over real UCX lanes and ZeroMQ, in one process."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled
+from omni_async.config import AdapterOptions
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def linked(make_service, tx_adapter=None, rx_adapter=None, **rx_sections):
+    tx = await make_service("tx")
+    rx = await make_service("rx", **rx_sections)
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    sender = tx.adapter("thinker", peer_id="rx", options=tx_adapter)
+    receiver = rx.adapter("thinker", source="tx", options=rx_adapter)
+    return tx, rx, sender, receiver
+
+
+def chunk(request: int, index: int, size: int = 64):
+    return {"hidden": np.full(size, request * 1000 + index, dtype=np.int32), "codes": [request, index], "tag": f"r{request}"}
+
+
+async def test_ordered_streams_for_many_concurrent_requests(make_service):
+    _, rx, sender, receiver = await linked(make_service)
+    requests, chunks = 32, 16
+    sizes = [16, 40000, 8, 20000]  # mixed sizes: big chunks finish after small ones on the wire
+    saves = []
+    for i in range(chunks):
+        for r in range(requests):
+            saves.append(sender.save_async(f"req{r}", chunk(r, i, sizes[(r + i) % 4]), final=i == chunks - 1))
+
+    async def consume(r):
+        got = []
+        async for c in receiver.stream(f"req{r}"):
+            assert c.data["codes"] == [r, c.index] and c.data["tag"] == f"r{r}"
+            assert (c.data["hidden"] == r * 1000 + c.index).all()
+            got.append(c.index)
+        return got
+
+    results = await asyncio.wait_for(asyncio.gather(*(consume(r) for r in range(requests))), 30)
+    assert results == [list(range(chunks))] * requests
+    await asyncio.wait_for(asyncio.gather(*saves), 10)
+    assert receiver.active_requests == 0 and rx.connector.buffered == (0, 0) and rx.connector.waiting == 0
+
+
+async def test_final_chunk_ends_the_stream(make_service):
+    _, _, sender, receiver = await linked(make_service)
+    await sender.save("r", {"x": 1})
+    await sender.save("r", {"x": 2}, final=True)
+    got = [c async for c in receiver.stream("r")]
+    assert [(c.index, c.data, c.final) for c in got] == [(0, {"x": 1}, False), (1, {"x": 2}, True)]
+    assert receiver.active_requests == 0
+
+
+async def test_failures_land_on_the_right_futures(make_service):
+    tx, rx, sender, receiver = await linked(make_service)
+    good = sender.save_async("a", {"x": 1}, final=True)
+    bad = sender.save_async("b", {"x": object()})
+    with pytest.raises(TypeError):
+        await asyncio.wait_for(bad, 5)
+    await asyncio.wait_for(good, 5)
+    assert (await receiver.load("a")).data == {"x": 1}
+    # An invalid chunk arrives for request "c": its waiter fails, request "d" is untouched.
+    waiter_c = receiver.load_async("c")
+    waiter_d = receiver.load_async("d")
+    await asyncio.wait_for(tx.connector.put("rx", "c:thinker:0", {"not": "an envelope"}), 5)
+    with pytest.raises(ProtocolError, match="not a chunk envelope"):
+        await asyncio.wait_for(waiter_c, 5)
+    await sender.save("d", {"y": 2}, final=True)
+    assert (await asyncio.wait_for(waiter_d, 5)).data == {"y": 2}
+
+
+async def test_stall_deadline_fails_waiter_and_cleans_up(make_service):
+    _, rx, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=0.3))
+    await sender.save("slow", {"i": 0})
+    assert (await receiver.load("slow")).index == 0
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(receiver.load("slow"), 5)
+    assert 0.25 < time.monotonic() - started < 2
+    assert receiver.active_requests == 0 and rx.connector.waiting == 0
+    # A chunk that arrives after the cleanup is refused, not buffered forever.
+    with pytest.raises(TransferCancelled):
+        await asyncio.wait_for(sender.save("slow", {"i": 1}), 5)
+    assert rx.connector.buffered == (0, 0)
+
+
+async def test_cleanup_and_cancel_are_idempotent_and_leave_nothing(make_service):
+    _, rx, sender, receiver = await linked(make_service)
+    await sender.save("r1", {"i": 0})
+    await sender.save("r1", {"i": 1})
+    waiter = receiver.load_async("r2")
+    receiver.cleanup("r1")
+    receiver.cleanup("r1")
+    receiver.cancel("r2")
+    receiver.cancel("r2")
+    with pytest.raises(TransferCancelled):
+        await waiter
+    assert receiver.active_requests == 0
+    assert rx.connector.buffered == (0, 0) and rx.connector.waiting == 0
+
+
+async def test_sender_cancel_reaches_the_receiver(make_service):
+    _, _, sender, receiver = await linked(make_service)
+    await sender.save("r", {"i": 0})
+    assert (await receiver.load("r")).index == 0
+    waiter = receiver.load_async("r")
+    sender.cancel("r")
+    with pytest.raises(TransferCancelled, match="cancelled by its sender"):
+        await asyncio.wait_for(waiter, 5)
+
+
+async def test_abandoned_load_keeps_the_stream_usable(make_service):
+    _, _, sender, receiver = await linked(make_service)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(receiver.load("r"), 0.1)
+    await sender.save("r", {"i": 0}, final=True)
+    assert (await asyncio.wait_for(receiver.load("r"), 5)).data == {"i": 0}
+
+
+async def test_back_pressure_when_the_receiver_is_slow(make_service):
+    chunk_bytes = 64 * 1024
+    _, rx, sender, receiver = await linked(
+        make_service,
+        tx_adapter=AdapterOptions(max_in_flight=4),
+        connector={"name": "ucx", "extra": {"max_buffered_bytes": 4 * chunk_bytes}},
+    )
+    saves = [sender.save_async("r", {"x": np.zeros(chunk_bytes, np.uint8)}, final=i == 39) for i in range(40)]
+    await asyncio.sleep(0.5)
+    done = sum(s.done() for s in saves)
+    stored = rx.connector.buffered
+    assert done <= 8, f"{done} saves completed while nobody read"
+    assert stored[1] <= (4 + 4) * chunk_bytes
+    got = [c.index async for c in receiver.stream("r")]  # the slow reader catches up
+    assert got == list(range(40))
+    await asyncio.wait_for(asyncio.gather(*saves), 10)
+
+
+async def test_close_while_busy(make_service):
+    tx, rx, sender, receiver = await linked(make_service)
+    saves = [sender.save_async("r", {"x": np.zeros(1000, np.uint8)}) for _ in range(50)]
+    waiter = receiver.load_async("other")
+    await sender.close()
+    await sender.close()
+    assert all(s.done() for s in saves)
+    assert all(s.exception() is None for s in saves)  # drained, not dropped
+    with pytest.raises(ClosedError):
+        sender.save_async("r", {})
+    await receiver.close()
+    with pytest.raises(ClosedError):
+        await waiter
+
+
+async def test_source_peer_loss_fails_waiters(make_service):
+    tx, rx, sender, receiver = await linked(make_service)
+    waiter = receiver.load_async("r")
+    await tx.close()
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(waiter, 5)
+
+
+async def test_receiver_restart(make_service):
+    tx, rx, sender, receiver = await linked(make_service)
+    await sender.save("r1", {"i": 0}, final=True)
+    await rx.close()
+    await asyncio.sleep(0.1)
+    rx2 = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx2.control_address), 5)
+    receiver2 = rx2.adapter("thinker", source="tx")
+    await asyncio.wait_for(sender.save("r2", {"i": 5}, final=True), 5)
+    assert (await asyncio.wait_for(receiver2.load("r2"), 5)).data == {"i": 5}
+
+
+async def test_idle_adapters_do_not_poll(make_service):
+    _, _, sender, receiver = await linked(make_service, )
+    await sender.save("r", {"i": 0})
+    waiter = receiver.load_async("r")
+    later = receiver.load_async("r")  # a receive is awaited the whole time
+    cpu0 = time.process_time()
+    await asyncio.sleep(1.0)
+    used = time.process_time() - cpu0
+    assert used < 0.1, f"{used:.3f}s CPU in 1s idle"
+    assert waiter.done() and not later.done()
+    later.cancel()

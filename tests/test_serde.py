@@ -1,0 +1,121 @@
+"""The payload codec: round trips (hypothesis), zero copy, and every bad input → ProtocolError."""
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from omni_async import ProtocolError
+from omni_async import serde
+
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128"]
+
+
+def travel(payload):
+    """Encode, copy every frame as the transport would into fresh receive buffers, decode."""
+    header, frames = serde.encode(payload)
+    received = [np.frombuffer(bytes(memoryview(f)), np.uint8).copy() for f in frames]
+    return serde.decode(header, received)
+
+
+def same(a, b):
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype.newbyteorder("<") == b.dtype and a.shape == b.shape and (
+            np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        return b == bytes(a)
+    if isinstance(a, float) and a != a:
+        return b != b
+    return a == b and type(a) is type(b)
+
+
+arrays = st.sampled_from(DTYPES).flatmap(
+    lambda d: hnp.arrays(np.dtype(d), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)))
+leaves = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=16) | arrays
+values = st.recursive(leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=4), c, max_size=4), max_leaves=12)
+
+
+@given(st.dictionaries(st.text(max_size=6), values, max_size=5))
+def test_round_trip(payload):
+    assert same(payload, travel(payload))
+
+
+def test_arrays_are_zero_copy_both_ways():
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    header, frames = serde.encode({"x": array})
+    assert np.shares_memory(frames[0], array)
+    received = [np.frombuffer(bytes(frames[0]), np.uint8).copy()]
+    out = serde.decode(header, received)["x"]
+    assert np.shares_memory(out, received[0]) and out.shape == (3, 4)
+
+
+def test_non_contiguous_and_big_endian_are_normalised():
+    array = np.arange(20, dtype=">i4").reshape(4, 5)[:, ::2]
+    out = travel({"x": array})["x"]
+    assert out.dtype == np.dtype("<i4") and np.array_equal(out, array)
+
+
+@pytest.mark.parametrize("bad", [{"x": object()}, {1: 2}, {"x": np.array([object()])}, {"x": {3: 1}}, [1]])
+def test_encode_refuses(bad):
+    with pytest.raises(TypeError):
+        serde.encode(bad)
+
+
+def _header(tree, arrays):
+    return msgspec.msgpack.encode([tree, arrays])
+
+
+NESTED: list = [1]
+for _ in range(40):
+    NESTED = [NESTED]
+REF0 = msgspec.msgpack.Ext(1, (0).to_bytes(4, "little"))
+
+
+@pytest.mark.parametrize(
+    "header,frames",
+    [
+        (b"\xc1", []),
+        (_header({"x": REF0}, [["<f4", [3]]]), [np.zeros(8, np.uint8)]),  # 12 bytes needed
+        (_header({"x": REF0}, [["|O", [1]]]), [np.zeros(8, np.uint8)]),  # dtype not allowed
+        (_header({"x": REF0}, [["<f4", [-1]]]), [np.zeros(4, np.uint8)]),
+        (_header({"x": REF0}, [["<f4", [1]]]), []),  # frame count
+        (_header({"x": msgspec.msgpack.Ext(1, (5).to_bytes(4, "little"))}, [["<f4", [1]]]), [np.zeros(4, np.uint8)]),
+        (_header({"x": msgspec.msgpack.Ext(9, b"1234")}, []), []),
+        (_header([1, 2], []), []),
+        (_header({"x": msgspec.msgpack.Ext(2, (0).to_bytes(4, "little"))}, [["<f4", [1]]]), [np.zeros(4, np.uint8)]),
+        (_header({"x": NESTED}, []), []),
+    ],
+)
+def test_decode_rejects(header, frames):
+    with pytest.raises(ProtocolError):
+        serde.decode(header, frames)
+
+
+@given(st.binary(max_size=256), st.lists(st.binary(max_size=16), max_size=3))
+def test_fuzz_decode_random(header, frames):
+    try:
+        serde.decode(header, [np.frombuffer(f, np.uint8).copy() for f in frames])
+    except ProtocolError:
+        pass
+
+
+@given(st.data())
+def test_fuzz_decode_mutated(data):
+    payload = {"a": np.arange(4, dtype=np.int16), "b": [b"xy", {"c": 1.5}]}
+    header, frames = serde.encode(payload)
+    mutated = bytearray(header)
+    for _ in range(data.draw(st.integers(1, 3))):
+        pos = data.draw(st.integers(0, len(mutated) - 1))
+        mutated[pos] = data.draw(st.integers(0, 255))
+    received = [np.frombuffer(bytes(memoryview(f)), np.uint8).copy() for f in frames]
+    try:
+        serde.decode(bytes(mutated), received)
+    except ProtocolError:
+        pass
