@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m omni_async.demo
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
