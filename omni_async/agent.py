@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from .config import AgentConfig
 from .control import ControlPlane
-from .errors import ClosedError, OmniAsyncError, PeerLost
+from .errors import ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import LocalIdentity, PeerInfo
 from .region import BlockRegion, config_fingerprint
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
@@ -138,10 +138,14 @@ class Agent:
         lane = transport.open_lane()
         try:
             info = await control.connect(address, lane.address)
+            try:
+                await transport.add_peer(info, lane)
+            except ProtocolError as exc:
+                await control.disconnect(info.peer_id, str(exc))
+                raise HandshakeRejected(f"peer {info.peer_id!r} sent unusable agent metadata: {exc}") from None
         except BaseException as exc:
             lane.close(exc if isinstance(exc, OmniAsyncError) else None)
             raise
-        transport.add_peer(info, lane)
         self._emit(PeerEvent("joined", info.peer_id))
         return info.peer_id
 
@@ -188,9 +192,13 @@ class Agent:
         return self.transport.cancel(transfer_ids, mode)
 
     # -- callbacks from the control plane and the transport --------------------------------
-    def _accept(self, info: PeerInfo) -> bytes:
+    async def _accept(self, info: PeerInfo) -> bytes:
         lane = self.transport.open_lane()
-        self.transport.add_peer(info, lane)
+        try:
+            await self.transport.add_peer(info, lane)
+        except ProtocolError as exc:
+            lane.close(exc)
+            raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
         self._emit(PeerEvent("joined", info.peer_id))
         return lane.address
 

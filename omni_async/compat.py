@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from contextlib import suppress
 from functools import partial
-from typing import Annotated, Any, NamedTuple, TypeVar
+from typing import Annotated, Any, NamedTuple, Self, TypeVar
 
 import msgspec
 
@@ -213,7 +213,7 @@ class _Engine:
                 return
             try:
                 future.set_result(fn(*args))
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 future.set_exception(exc)
 
         self.loop.call_soon_threadsafe(invoke)
@@ -236,6 +236,10 @@ class _Engine:
         """Close the agent (failing what is in flight), stop the loop and join its thread."""
         with self.lock:
             self.closed = True
+        if threading.current_thread() is self.thread:
+            # Collected on the loop thread itself: nothing may wait here, so finish on the loop.
+            self.loop.create_task(self._close_and_stop())
+            return
         if self.thread.is_alive() and not self.loop.is_closed():
             if self.agent is not None:
                 try:
@@ -244,10 +248,20 @@ class _Engine:
                     log.exception("closing the agent of %s failed", self.config.peer_id)
             with suppress(RuntimeError):  # the loop closed meanwhile
                 self.loop.call_soon_threadsafe(self.loop.stop)
-            if threading.current_thread() is not self.thread:
-                self.thread.join(timeout)
-                if self.thread.is_alive():
-                    log.warning("event-loop thread of %s did not stop within %.1fs", self.config.peer_id, timeout)
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                log.warning("event-loop thread of %s did not stop within %.1fs", self.config.peer_id, timeout)
+        self._forget_all()
+
+    async def _close_and_stop(self) -> None:
+        try:
+            if self.agent is not None:
+                await self.agent.close()
+        finally:
+            self._forget_all()
+            self.loop.stop()
+
+    def _forget_all(self) -> None:
         with self.lock:
             self.inflight.clear()
             self.settled.clear()
@@ -408,8 +422,9 @@ class SyncDataTransport:
         config = msgspec.structs.replace(config, peer_id=config.resolved_peer_id())
         self._view = view
         self._base_addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
-        self._num_blocks = int(view.shape[0])
-        self._block_len = int(view.shape[1])
+        shape = view.shape
+        assert shape is not None  # a 2-D view always has one
+        self._num_blocks, self._block_len = int(shape[0]), int(shape[1])
         self._config_fingerprint = config_fingerprint(config.config_fields)
         self._config = config
         self._last_error: OmniAsyncError | None = None
@@ -430,7 +445,7 @@ class SyncDataTransport:
         state = "closed" if self._engine.closed else f"at {self._address}"
         return f"<SyncDataTransport {self.peer_id!r} {self._num_blocks}×{self._block_len} {state}>"
 
-    def __enter__(self) -> SyncDataTransport:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 
-AcceptPeer = Callable[[PeerInfo], bytes]
+AcceptPeer = Callable[[PeerInfo], Awaitable[bytes]]
 """Admit a peer that passed the handshake rules; return the metadata to welcome it with."""
 PeerLostCallback = Callable[[str, OmniAsyncError], None]
 """Told once when a joined peer is gone, with the reason."""
@@ -102,6 +102,7 @@ class ControlPlane:
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._logged_bad: set[bytes] = set()
+        self._admitting: set[str] = set()
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -219,10 +220,22 @@ class ControlPlane:
         elif isinstance(msg, Welcome) or isinstance(msg, Reject):
             self._bad_input(ident, ProtocolError(f"unexpected {type(msg).__name__} on the listener"))
         elif isinstance(msg, Hello):
-            reply = self._admit(ident, msg)
-            await router.send_multipart([ident, encode_control(reply)])
+            # Admission awaits the owner (address vetting); the loop keeps reading meanwhile.
+            if msg.peer_id in self._admitting or len(self._admitting) >= self.config.max_peers:
+                self.stats.rejected += 1
+                await router.send_multipart([ident, encode_control(Reject(code="rejected", reason="handshake busy"))])
+                return
+            self._admitting.add(msg.peer_id)
+            self._spawn(self._handshake(router, ident, msg), f"omni-control-handshake-{msg.peer_id}")
 
-    def _admit(self, ident: bytes, msg: Hello) -> Welcome | Reject:
+    async def _handshake(self, router: zmq.asyncio.Socket, ident: bytes, msg: Hello) -> None:
+        try:
+            reply = await self._admit(ident, msg)
+        finally:
+            self._admitting.discard(msg.peer_id)
+        await router.send_multipart([ident, encode_control(reply)])
+
+    async def _admit(self, ident: bytes, msg: Hello) -> Welcome | Reject:
         try:
             if ident in self._by_ident:
                 raise HandshakeRejected("this connection already completed a handshake")
@@ -235,7 +248,9 @@ class ControlPlane:
                 raise HandshakeRejected(f"peer limit of {self.config.max_peers} reached")
             check_peer(self.identity, msg)
             info = PeerInfo.from_hello(msg)
-            metadata = self._accept(info)
+            metadata = await self._accept(info)
+            if self._closed:
+                raise HandshakeRejected("closing")
         except HandshakeRejected as exc:
             self.stats.rejected += 1
             log.warning("rejected peer %r: %s", msg.peer_id, exc)

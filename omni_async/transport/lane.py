@@ -21,10 +21,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import ucxx._lib.libucxx as ucx_api
-from ucxx._lib.arr import Array
+# UCX logs to stdout by default, where it would mix with a program's own output.  This only
+# takes effect if omni_async is imported before anything else loads UCX.
+os.environ.setdefault("UCX_LOG_FILE", "stderr")
 
-from ..errors import PeerLost
+import ucxx._lib.libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
+
+from ..errors import PeerLost, ProtocolError  # noqa: E402
 
 # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.21 no longer knows and warns about.
 os.environ.pop("UCX_MEMTYPE_CACHE", None)
@@ -35,6 +39,7 @@ Completion = Callable[[BaseException | None], None]
 """Called once when a posted request ends: ``None`` on success, else the error."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
+_MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 
 
 def new_context(tls: str, net_devices: str = "") -> Any:
@@ -78,10 +83,27 @@ class Lane:
         """Requests posted and not completed yet."""
         return len(self._pending)
 
+    def check_address(self, remote_address: bytes) -> None:
+        """Raise :class:`ProtocolError` unless ``remote_address`` looks like a worker address of
+        this UCX build (version byte, plausible length).  Necessary, not sufficient: see
+        :mod:`.vetting` for the full check."""
+        own = self._worker.address.tobytes()
+        if not _MIN_ADDRESS <= len(remote_address) <= 4 * len(own) or remote_address[:1] != own[:1]:
+            raise ProtocolError(
+                f"agent metadata of {len(remote_address)} bytes is not a UCX worker address of this build"
+            )
+
     def connect(self, remote_address: bytes) -> None:
-        """Create the endpoint to the peer lane at ``remote_address`` (no round trip)."""
-        address = ucx_api.UCXAddress.create_from_buffer(remote_address)
-        self._endpoint = self._worker.create_endpoint_from_worker_address(address, False)
+        """Create the endpoint to the peer lane at ``remote_address`` (no round trip).
+
+        The address must have been vetted (:meth:`check_address`, then
+        :class:`~.vetting.AddressVetter`): UCX aborts the process on some malformed ones.
+        """
+        try:
+            address = ucx_api.UCXAddress.create_from_buffer(remote_address)
+            self._endpoint = self._worker.create_endpoint_from_worker_address(address, False)
+        except Exception as exc:  # UCX refused the address (unreachable, bad parameter, ...)
+            raise ProtocolError(f"cannot reach the peer's UCX worker: {exc}") from None
 
     def send(self, buffer: Any, tag: int, done: Completion) -> None:
         """Post a tagged send of ``buffer`` (borrowed until ``done`` runs).

@@ -60,6 +60,7 @@ from ..wire import (
     validate_write,
 )
 from .lane import Lane, new_context
+from .vetting import shared_vetter
 from .transfer import CancelMode, Transfer
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class UcxTransport:
         self._context = new_context(config.ucx_tls, config.ucx_net_devices)
         self._links: dict[str, _Link] = {}
         self._ids = itertools.count(1)
+        self._vetter = shared_vetter(config.ucx_tls, config.ucx_net_devices)
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -144,12 +146,21 @@ class UcxTransport:
         self._check_open()
         return Lane(self._context, self._loop)
 
-    def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
-        """Connect ``lane`` to the peer's lane and start receiving from it."""
+    async def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
+        """Connect ``lane`` to the peer's lane and start receiving from it.
+
+        The peer's address is vetted first (see :mod:`.vetting`); an unusable one raises
+        :class:`ProtocolError` and nothing is added.
+        """
         self._check_open()
         if peer.peer_id in self._links:
             raise ValueError(f"peer {peer.peer_id!r} is already added")
+        lane.check_address(peer.agent_metadata)  # cheap structural check first
+        await self._vetter.check(peer.agent_metadata)
         lane.connect(peer.agent_metadata)
+        self._check_open()
+        if peer.peer_id in self._links:
+            raise ValueError(f"peer {peer.peer_id!r} is already added")
         link = _Link(peer, lane)
         self._links[peer.peer_id] = link
         self._post_header_recv(link)

@@ -1,0 +1,142 @@
+"""Hostile and broken peers on a live agent: garbage, truncation, oversize, replay, bad
+addresses and a handshake flood, while a healthy peer keeps transferring at full correctness."""
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+import ucxx._lib.libucxx as ucx_api
+from omni_async.transport.lane import new_context
+from omni_async.wire import MAX_CONTROL_BYTES, Hello, Reject, Welcome, decode_control, encode_control
+
+pytestmark = pytest.mark.timeout(120)
+
+
+_workers = []
+
+
+def real_address() -> bytes:
+    """The address of a live UCX worker (kept alive for the whole test session)."""
+    worker = ucx_api.UCXWorker(new_context("^cma"), enable_delayed_submission=False, enable_python_future=False)
+    _workers.append(worker)
+    return bytes(worker.address.tobytes())
+
+
+def hello(peer_id: str, metadata: bytes, **overrides) -> Hello:
+    fields = dict(version=1, peer_id=peer_id, nonce=1, agent_metadata=metadata, base_addr=4096,
+                  num_blocks=64, block_len=4096, fingerprint="")
+    fields.update(overrides)
+    return Hello(**fields)
+
+
+async def healthy_traffic(a, b, rounds: int) -> int:
+    rng = np.random.default_rng(3)
+    for i in range(rounds):
+        a.region.array[:] = rng.integers(0, 256, a.region.array.shape, dtype=np.uint8)
+        idx = rng.permutation(64)[:16].tolist()
+        await asyncio.wait_for(a.write_blocks("b", idx, idx), 5)
+        assert np.array_equal(b.region.array[idx], a.region.array[idx])
+    return rounds
+
+
+async def test_garbage_and_replays_do_not_disturb_a_healthy_peer(make_agent):
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b")
+    await a.connect(b.control_address)
+    ctx = zmq.asyncio.Context()
+    try:
+        traffic = asyncio.ensure_future(healthy_traffic(a, b, 200))
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(b.control_address)
+        stray_welcome = Welcome(**{f: getattr(hello("x", b"x" * 20), f) for f in Hello.__struct_fields__})
+        for junk in (b"", b"\x00", os.urandom(64), encode_control(hello("x", real_address()))[:-7],
+                     b"\x92\xa2hb\x01", encode_control(stray_welcome)):
+            await sock.send(junk)
+        await sock.send_multipart([b"two", b"frames"])
+        # A valid hello, then the same hello replayed on the same connection.
+        good = encode_control(hello("intruder", real_address()))
+        await sock.send(good)
+        first = decode_control(await asyncio.wait_for(sock.recv(), 10))
+        await sock.send(good)
+        second = decode_control(await asyncio.wait_for(sock.recv(), 10))
+        assert isinstance(first, Welcome)
+        assert isinstance(second, Reject) and "already" in second.reason
+        # Oversized: ZeroMQ drops the connection, the agent never sees it.
+        big = ctx.socket(zmq.DEALER)
+        big.connect(b.control_address)
+        await big.send(b"\x00" * (MAX_CONTROL_BYTES + 10))
+        big.close(0)
+        assert await asyncio.wait_for(traffic, 60) == 200
+        assert b.control.stats.protocol_errors >= 5
+        assert set(b.peers) >= {"a"}
+        sock.close(0)
+    finally:
+        ctx.destroy(0)
+
+
+async def test_malformed_agent_metadata_is_refused_without_crashing(make_agent):
+    """UCX aborts on some malformed worker addresses; the agent must refuse them and live on."""
+    b = await make_agent(peer_id="b")
+    address = real_address()
+    candidates = [b"", b"\xff" * 100, os.urandom(200), bytes([address[0] ^ 0xFF]) + address[1:]]
+    candidates += [address[:n] for n in range(16, len(address), 3)]  # truncations
+    ctx = zmq.asyncio.Context()
+    verdicts = []
+    try:
+        for i, metadata in enumerate(candidates):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(b.control_address)
+            await sock.send(encode_control(hello(f"m{i}", metadata)))
+            verdicts.append(type(decode_control(await asyncio.wait_for(sock.recv(), 20))))
+            sock.close(0)
+    finally:
+        ctx.destroy(0)
+    assert verdicts[:4] == [Reject] * 4
+    assert all(v in (Reject, Welcome) for v in verdicts)
+    # Still alive and serving a real peer.
+    a = await make_agent(peer_id="a")
+    await a.connect(b.control_address)
+    await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
+
+
+async def test_handshake_flood_is_bounded(make_agent):
+    b = await make_agent(peer_id="b", max_peers=8, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    live, peak = set(), [0]
+
+    def track(event):
+        (live.add if event.kind == "joined" else live.discard)(event.peer_id)
+        peak[0] = max(peak[0], len(live))
+
+    b.add_peer_listener(track)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    address = real_address()
+    ctx = zmq.asyncio.Context()
+    socks = []
+    try:
+        for i in range(300):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(b.control_address)
+            await sock.send(encode_control(hello(f"fake{i}", address, nonce=i + 1)))
+            socks.append(sock)
+        replies = [decode_control(await asyncio.wait_for(s.recv(), 20)) for s in socks]
+        welcomed = sum(isinstance(r, Welcome) for r in replies)
+        assert 1 <= peak[0] <= 8, peak  # never more than max_peers at once (silent fakes expire)
+        assert all(isinstance(r, (Welcome, Reject)) for r in replies)
+        assert b.control.stats.rejected == 300 - welcomed
+        for sock in socks:
+            sock.close(0)
+        # The fakes never heartbeat: they are dropped, their lanes and sockets released.
+        for _ in range(100):
+            if not b.peers:
+                break
+            await asyncio.sleep(0.05)
+        assert b.peers == {}
+    finally:
+        ctx.destroy(0)
+    await asyncio.sleep(0.3)
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 16
