@@ -90,7 +90,7 @@ class Agent:
             return
         self._closed = True
         if self._transport is not None:
-            self._transport.close()
+            await self._transport.close()
         if self._control is not None:
             await self._control.close()
         tasks = list(self._tasks)
@@ -144,7 +144,7 @@ class Agent:
                 await control.disconnect(info.peer_id, str(exc))
                 raise HandshakeRejected(f"peer {info.peer_id!r} sent unusable agent metadata: {exc}") from None
         except BaseException as exc:
-            lane.close(exc if isinstance(exc, OmniAsyncError) else None)
+            transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
             raise
         self._emit(PeerEvent("joined", info.peer_id))
         return info.peer_id
@@ -197,7 +197,7 @@ class Agent:
         try:
             await self.transport.add_peer(info, lane)
         except ProtocolError as exc:
-            lane.close(exc)
+            self.transport.discard_lane(lane, exc)
             raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
         self._emit(PeerEvent("joined", info.peer_id))
         return lane.address

@@ -221,9 +221,14 @@ class ControlPlane:
             self._bad_input(ident, ProtocolError(f"unexpected {type(msg).__name__} on the listener"))
         elif isinstance(msg, Hello):
             # Admission awaits the owner (address vetting); the loop keeps reading meanwhile.
-            if msg.peer_id in self._admitting or len(self._admitting) >= self.config.max_peers:
+            # Handshakes in progress count against max_peers, so a flood cannot overshoot it.
+            busy = msg.peer_id in self._admitting
+            full = msg.peer_id not in self._peers and len(self._peers) + len(self._admitting) >= self.config.max_peers
+            if busy or full:
                 self.stats.rejected += 1
-                await router.send_multipart([ident, encode_control(Reject(code="rejected", reason="handshake busy"))])
+                reason = "handshake in progress" if busy else f"peer limit of {self.config.max_peers} reached"
+                log.warning("rejected peer %r: %s", msg.peer_id, reason)
+                await router.send_multipart([ident, encode_control(Reject(code="rejected", reason=reason))])
                 return
             self._admitting.add(msg.peer_id)
             self._spawn(self._handshake(router, ident, msg), f"omni-control-handshake-{msg.peer_id}")
@@ -244,8 +249,6 @@ class ControlPlane:
                 if known.info.nonce == msg.nonce:
                     raise HandshakeRejected(f"peer {msg.peer_id!r} is already connected")
                 self._lose(msg.peer_id, PeerLost(f"peer {msg.peer_id!r} restarted"))
-            if len(self._peers) >= self.config.max_peers:
-                raise HandshakeRejected(f"peer limit of {self.config.max_peers} reached")
             check_peer(self.identity, msg)
             info = PeerInfo.from_hello(msg)
             metadata = await self._accept(info)

@@ -37,9 +37,13 @@ log = logging.getLogger(__name__)
 
 Completion = Callable[[BaseException | None], None]
 """Called once when a posted request ends: ``None`` on success, else the error."""
+Arrival = Callable[[int, Any], None]
+"""``on_arrival(length, message)``: a message arrived that nobody had posted a receive for."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
+_CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
+_CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
 def new_context(tls: str, net_devices: str = "") -> Any:
@@ -66,9 +70,14 @@ class Lane:
         self._fd: int = self._worker.epoll_file_descriptor
         self._endpoint: Any = None
         self._pending: list[tuple[Any, Completion, object]] = []
+        self._arrival_tag: Any = None
+        self._on_arrival: Arrival | None = None
         self._drive_scheduled = False
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
+        self._endpoint_done = False
+        self._close_deadline = 0.0
+        self._released: asyncio.Future[None] = loop.create_future()
         self.wakeups = 0
         """How many times the lane ran its progress engine (for idle-CPU tests)."""
         loop.add_reader(self._fd, self._drive)
@@ -128,11 +137,31 @@ class Lane:
         request = self._endpoint.tag_recv(Array(buffer), ucx_api.UCXXTag(tag))
         self._track(request, done, buffer)
 
+    def watch(self, tag: int, on_arrival: Arrival) -> None:
+        """Hand every message with ``tag`` to ``on_arrival(length, message)`` as it arrives.
+
+        No receive stays posted for such messages (a posted receive would keep the worker
+        alive after close); ``on_arrival`` must take each one with :meth:`recv_arrived`.
+        """
+        self._arrival_tag = ucx_api.UCXXTag(tag)
+        self._on_arrival = on_arrival
+        self._schedule_drive()
+
+    def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
+        """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
+        if self._closed:
+            done(self._close_reason)
+            return
+        self._track(self._worker.tag_recv_with_handle(Array(buffer), message), done, buffer)
+
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
             done(_request_error(request))
             return
         self._pending.append((request, done, keepalive))
+        self._schedule_drive()
+
+    def _schedule_drive(self) -> None:
         if not self._drive_scheduled:
             self._drive_scheduled = True
             self._loop.call_soon(self._drive)
@@ -149,15 +178,23 @@ class Lane:
                 pass
             if self._pending:
                 self._reap()
-                if self._closed:  # a completion closed the lane
-                    return
+            if self._on_arrival is not None and not self._closed:
+                self._take_arrivals()
+            if self._closed:  # a completion closed the lane
+                return
             if worker.arm():
                 return
         # UCX still has work (a large transfer, or sends stuck towards a dead peer until the
         # control plane notices): come back after the loop has run its other callbacks.
-        if not self._drive_scheduled:
-            self._drive_scheduled = True
-            self._loop.call_soon(self._drive)
+        self._schedule_drive()
+
+    def _take_arrivals(self) -> None:
+        assert self._on_arrival is not None
+        while not self._closed:
+            message = self._worker.tag_probe(self._arrival_tag, remove=True)
+            if not message.matched:
+                return
+            self._on_arrival(message.length, message)
 
     def _reap(self) -> None:
         finished: list[tuple[Any, Completion, object]] = []
@@ -171,10 +208,15 @@ class Lane:
             done(_request_error(request))
 
     def close(self, reason: BaseException | None = None) -> None:
-        """Fail every pending request with ``reason`` and destroy the endpoint and worker.
+        """Fail every pending request with ``reason``, then close the endpoint in the background.
 
-        Idempotent.  After it returns UCX no longer touches any borrowed buffer: the worker is
-        never progressed again.
+        Idempotent and never blocks.  From now on no completion runs and UCX writes into no
+        borrowed buffer.  The endpoint close is a UCX flush-close that completes within
+        milliseconds even towards a dead peer, but only while the worker is progressed: the
+        lane progresses it every few milliseconds (for at most ``_CLOSE_GRACE`` seconds), then
+        releases the worker.  Await :meth:`wait_closed` to know it is released.
+        (ucxx's own endpoint destructor would instead flush-close *blocking*, forever if the
+        peer cannot answer; dropping the endpoint without progressing leaks the worker.)
         """
         if self._closed:
             return
@@ -185,15 +227,45 @@ class Lane:
         pending, self._pending = self._pending, []
         for _request, done, _ in pending:
             done(self._close_reason)
-        # Start a non-blocking close, then never progress again.  Without it ucxx's endpoint
-        # destructor runs a *blocking* flush-close that loops forever when the peer cannot
-        # answer (dead, or on this very thread); a forced close is not allowed with error
-        # handling off.  The transport only closes a lane once its transfers are acknowledged,
-        # failed or cancelled, so nothing is left to flush.
-        if self._endpoint is not None:
-            self._endpoint.close()
+        if self._endpoint is None:
+            self._release()
+            return
+        self._endpoint.set_close_callback(self._endpoint_closed)
+        self._endpoint.close()
+        self._close_deadline = self._loop.time() + _CLOSE_GRACE
+        self._close_tick()
+
+    @property
+    def released(self) -> bool:
+        """True once a closed lane has let go of its UCX worker."""
+        return self._released.done()
+
+    async def wait_closed(self) -> None:
+        """Wait until :meth:`close` has released the worker (at most ``_CLOSE_GRACE`` seconds)."""
+        await asyncio.shield(self._released)
+
+    def _endpoint_closed(self, *_args: object) -> None:
+        self._endpoint_done = True
+
+    def _close_tick(self) -> None:
+        if self._released.done():
+            return
+        worker = self._worker
+        while worker.progress_once():
+            pass
+        if self._endpoint_done:
+            self._release()
+        elif self._loop.time() > self._close_deadline:
+            log.warning("UCX endpoint close did not finish in %ss; releasing the lane anyway", _CLOSE_GRACE)
+            self._release()
+        else:
+            self._loop.call_later(_CLOSE_TICK, self._close_tick)
+
+    def _release(self) -> None:
         self._endpoint = None
         self._worker = None
+        if not self._released.done():
+            self._released.set_result(None)
 
 
 def _request_error(request: Any) -> BaseException | None:

@@ -5,7 +5,8 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
 * the sender posts a header (:class:`~omni_async.wire.WriteRequest` or
   :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message per
   coalesced run or frame on ``data_tag(seq + i)``;
-* the receiver always has one header receive posted; it validates a header *before* posting
+* the receiver takes each header as it arrives (no receive stays posted while idle, so closing
+  a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
   (messages), so no byte of an invalid write reaches the region;
 * once every payload receive completed the receiver sends an :class:`~omni_async.wire.Ack`
@@ -92,7 +93,6 @@ class _Link:
 
     peer: PeerInfo
     lane: Lane
-    header_buf: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(MAX_HEADER_BYTES, np.uint8))
     next_seq: int = 0
     sent: dict[int, tuple[Transfer, asyncio.TimerHandle]] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
@@ -138,6 +138,7 @@ class UcxTransport:
         self._links: dict[str, _Link] = {}
         self._ids = itertools.count(1)
         self._vetter = shared_vetter(config.ucx_tls, config.ucx_net_devices)
+        self._closing: set[Lane] = set()
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class UcxTransport:
             raise ValueError(f"peer {peer.peer_id!r} is already added")
         link = _Link(peer, lane)
         self._links[peer.peer_id] = link
-        self._post_header_recv(link)
+        lane.watch(HEADER_TAG, partial(self._header_arrived, link))
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -178,8 +179,14 @@ class UcxTransport:
             timer.cancel()
             transfer.set_failed(error)
         link.sent.clear()
-        link.lane.close(error)
+        self.discard_lane(link.lane, error)
         return True
+
+    def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
+        """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
+        lane.close(error)
+        self._closing = {other for other in self._closing if not other.released}
+        self._closing.add(lane)
 
     @property
     def peer_ids(self) -> list[str]:
@@ -297,18 +304,21 @@ class UcxTransport:
         return False
 
     # -- receiving -------------------------------------------------------------------------
-    def _post_header_recv(self, link: _Link) -> None:
-        link.lane.recv(link.header_buf, HEADER_TAG, partial(self._on_header, link))
+    def _header_arrived(self, link: _Link, length: int, message: Any) -> None:
+        if length > MAX_HEADER_BYTES:
+            self._fault(link.peer.peer_id, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
+            return
+        buffer = np.empty(length, np.uint8)
+        link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
 
-    def _on_header(self, link: _Link, error: BaseException | None) -> None:
+    def _on_header(self, link: _Link, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
         if error is not None:
             return  # the lane is closing; liveness is the control plane's job
         try:
-            header: DataHeader = decode_header(link.header_buf)
+            header: DataHeader = decode_header(buffer)
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
             return
-        self._post_header_recv(link)
         if isinstance(header, Ack):
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
@@ -402,13 +412,14 @@ class UcxTransport:
         link.lane.send(encode_header(ack), HEADER_TAG, _ignore)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def close(self) -> None:
-        """Fail every in-flight transfer with :class:`ClosedError` and close all lanes.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for peer_id in list(self._links):
-            self.remove_peer(peer_id, ClosedError("transport closed"))
+    async def close(self) -> None:
+        """Fail every in-flight transfer with :class:`ClosedError`, close all lanes and wait
+        until UCX released them.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for peer_id in list(self._links):
+                self.remove_peer(peer_id, ClosedError("transport closed"))
+        await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
 
     def _check_open(self) -> None:
         if self._closed:
