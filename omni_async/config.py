@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from .auth import check_key
 from .errors import ConfigError
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -52,6 +53,12 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Most blocks one incoming write may name."""
     max_message_bytes: Positive = 1 << 30
     """Largest incoming chunk message (all frames together)."""
+    curve_secret_key: str = ""
+    """This side's ZeroMQ CURVE secret key (Z85).  With it the control plane is encrypted and
+    only peers whose public key is in ``curve_allowed_keys`` may connect.  Off by default
+    (loopback demos); required across hosts.  ``omni-async keygen`` makes a pair."""
+    curve_allowed_keys: list[str] = msgspec.field(default_factory=list)
+    """Public keys (Z85) of the peers allowed to connect when CURVE is on."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -64,6 +71,15 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"ucx_tls={self.ucx_tls!r} enables cma, with which UCX aborts this process when a "
                 "peer dies mid-transfer; use '^cma' (default), 'tcp' or 'posix,sysv,self,tcp'"
             )
+
+        if self.curve_secret_key:
+            check_key(self.curve_secret_key, "curve_secret_key")
+            if not self.curve_allowed_keys:
+                raise ConfigError("curve_allowed_keys must list at least one peer public key when CURVE is on")
+            for key in self.curve_allowed_keys:
+                check_key(key, "curve_allowed_keys entry")
+        elif self.curve_allowed_keys:
+            raise ConfigError("curve_allowed_keys is set but curve_secret_key is not")
 
     def resolved_peer_id(self) -> str:
         return self.peer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from .auth import CurveGate, join_address, public_key, split_address
 from .config import AgentConfig
 from .errors import (
     ClosedError,
@@ -97,6 +98,8 @@ class ControlPlane:
         self._lost = lost
         self._ctx = zmq.asyncio.Context()
         self._router: zmq.asyncio.Socket | None = None
+        self._gate: CurveGate | None = None
+        self._public_key = public_key(config.curve_secret_key) if config.curve_secret_key else None
         self._address = ""
         self._peers: dict[str, _Peer] = {}
         self._by_ident: dict[bytes, str] = {}
@@ -109,9 +112,14 @@ class ControlPlane:
     async def start(self) -> str:
         """Bind the ROUTER and start the receive and heartbeat tasks; return the address."""
         router = self._socket(zmq.ROUTER)
+        if self._public_key is not None:
+            self._gate = CurveGate(self._ctx, frozenset(self.config.curve_allowed_keys))
+            self._gate.start()
+            router.curve_secretkey = self.config.curve_secret_key.encode("ascii")
+            router.curve_server = True
         router.bind(f"tcp://{self.config.host}:{self.config.port}")
         self._router = router
-        self._address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._address = join_address(router.getsockopt_string(zmq.LAST_ENDPOINT), self._public_key)
         self._spawn(self._router_loop(router), "omni-control-router")
         self._spawn(self._heartbeat_loop(), "omni-control-heartbeat")
         log.info("control plane of %s listening on %s", self.identity.peer_id, self._address)
@@ -119,8 +127,13 @@ class ControlPlane:
 
     @property
     def address(self) -> str:
-        """``tcp://host:port`` peers connect to."""
+        """``tcp://host:port`` peers connect to (``?key=PUBLIC_KEY`` appended when CURVE is on)."""
         return self._address
+
+    @property
+    def unauthenticated(self) -> int:
+        """Control connections refused by CURVE authentication."""
+        return self._gate.refused if self._gate is not None else 0
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -142,6 +155,8 @@ class ControlPlane:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._gate is not None:
+            await self._gate.close()
         # Closes the ROUTER and any socket left, letting goodbyes leave for up to the linger.
         self._ctx.destroy(linger=_LINGER_MS)
 
@@ -155,9 +170,16 @@ class ControlPlane:
         """
         if self._closed:
             raise ClosedError("control plane is closed")
+        endpoint, server_key = split_address(address)
+        if self._public_key is not None and server_key is None:
+            raise HandshakeRejected(f"CURVE is on: {address!r} must end in ?key=<the peer's public key>")
         dealer = self._socket(zmq.DEALER)
         try:
-            dealer.connect(address)
+            if self._public_key is not None:
+                dealer.curve_secretkey = self.config.curve_secret_key.encode("ascii")
+                dealer.curve_publickey = self._public_key.encode("ascii")
+                dealer.curve_serverkey = server_key.encode("ascii")  # type: ignore[union-attr]
+            dealer.connect(endpoint)
             await dealer.send(encode_control(self.identity.hello(agent_metadata)))
             try:
                 reply = await asyncio.wait_for(dealer.recv(), self.config.handshake_timeout)
