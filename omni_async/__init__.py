@@ -6,6 +6,7 @@ Data moves over UCX (``ucxx``), peers meet over ZeroMQ; every transfer is awaita
 from .agent import Agent, PeerEvent
 from .config import AgentConfig, load_config
 from .errors import (
+    AlreadyConnected,
     ClosedError,
     ConfigError,
     DeadlineExceeded,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
+    "AlreadyConnected",
     "AgentConfig",
     "BlockRegion",
     "ClosedError",

@@ -132,7 +132,9 @@ class Agent:
         """Handshake with the agent at ``address`` and return its peer id.
 
         Raises :class:`~omni_async.errors.HandshakeTimeout`, :class:`FingerprintMismatch`,
-        :class:`LayoutMismatch` (or another :class:`HandshakeRejected`) with the reason.
+        :class:`LayoutMismatch` (or another :class:`HandshakeRejected`) with the reason, and
+        :class:`AlreadyConnected` if the pair is joined, or being joined, through another
+        handshake (e.g. both sides dialled at once: dial from one side only).
         """
         control, transport = self._started_control(), self.transport
         lane = transport.open_lane()
@@ -199,6 +201,9 @@ class Agent:
         except ProtocolError as exc:
             self.transport.discard_lane(lane, exc)
             raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
+        except HandshakeRejected as exc:
+            self.transport.discard_lane(lane, exc)
+            raise
         self._emit(PeerEvent("joined", info.peer_id))
         return lane.address
 

@@ -38,6 +38,7 @@ import msgspec
 from .agent import Agent, PeerEvent
 from .config import AgentConfig
 from .errors import (
+    AlreadyConnected,
     ClosedError,
     ConfigError,
     DeadlineExceeded,
@@ -65,6 +66,8 @@ _START_TIMEOUT_S = 10.0
 """How long the constructor waits for the loop to open UCX and bind the control plane."""
 _DIAL_GRACE_S = 0.5
 """How long the side with the larger peer id waits for the other side's dial before dialling."""
+_ADMISSION_CHECK_S = 0.05
+"""While a peer's handshake is being admitted here, how often to check whether it ended."""
 _MAX_REASONS = 1 << 16
 """Failure reasons kept for :meth:`SyncDataTransport.failure_reason` (oldest dropped first)."""
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
@@ -183,6 +186,7 @@ class _Engine:
                     task.cancel()
                 loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())  # its threads too
             finally:
                 asyncio.set_event_loop(None)
                 loop.close()
@@ -339,29 +343,26 @@ class _Engine:
     async def join(self, card: AgentCard, base_addr: int, num_blocks: int, block_len: int) -> None:
         """Make sure the agent behind ``card`` is joined, dialling it if needed; check its layout.
 
-        Both sides of a pair usually call ``add_remote_peer`` at about the same time.  Two
-        handshakes crossing each other would each be refused as a duplicate, so the side with
-        the smaller peer id dials at once and the other waits a moment for that dial before it
-        dials itself (needed when only one side registers the other).
+        Both sides of a pair usually call ``add_remote_peer`` at about the same time, and two
+        handshakes crossing each other make both sides drop the pair.  So the side with the
+        smaller peer id dials at once; the other waits ``_DIAL_GRACE_S`` for that dial before
+        dialling itself (needed when only one side registers the other); and neither dials while
+        a handshake from the peer is being admitted here.
         """
         agent = self.agent
         assert agent is not None
         core_id = card.peer_id
         timeout = self.config.handshake_timeout
-        if core_id not in agent.peers and agent.peer_id > core_id:
-            with suppress(TimeoutError):
-                await agent.wait_for_peer(core_id, timeout=min(_DIAL_GRACE_S, timeout / 2))
+        grace = min(_DIAL_GRACE_S, timeout / 2) if agent.peer_id > core_id else 0.0
+        await self._await_their_handshake(core_id, grace)
         if core_id not in agent.peers:
             try:
                 joined = await agent.connect(card.address)
-            except HandshakeRejected as exc:
-                if "already connected" not in str(exc):
-                    raise
-                # The peer dialled us meanwhile: its handshake is about to complete here.
-                try:
-                    await agent.wait_for_peer(core_id, timeout=timeout)
-                except TimeoutError:
-                    raise exc from None
+            except AlreadyConnected as exc:
+                # The peer dialled us meanwhile: its handshake completes (or completed) here.
+                await self._await_their_handshake(core_id, timeout)
+                if core_id not in agent.peers:
+                    raise HandshakeRejected(f"crossed handshakes with {core_id!r}: {exc}") from None
             else:
                 if joined != core_id:
                     await agent.remove_peer(joined)
@@ -379,6 +380,30 @@ class _Engine:
                 f"peer {core_id!r} has (base_addr, num_blocks, block_len) = {actual}, "
                 f"but add_remote_peer was given {expected}"
             )
+
+    async def _await_their_handshake(self, core_id: str, grace: float) -> None:
+        """Wait up to ``grace`` s for ``core_id`` to join, and on while its handshake is admitted here.
+
+        Joins wake this at once; while a handshake is being admitted the admission's end is
+        re-checked every ``_ADMISSION_CHECK_S`` (a rejected one emits no event).
+        """
+        agent = self.agent
+        assert agent is not None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        limit = start + grace + self.config.handshake_timeout
+        while core_id not in agent.peers:
+            now = loop.time()
+            if now >= limit:
+                return
+            if agent.control.is_admitting(core_id):
+                wait = min(_ADMISSION_CHECK_S, limit - now)
+            elif now < start + grace:
+                wait = start + grace - now
+            else:
+                return
+            with suppress(TimeoutError):
+                await agent.wait_for_peer(core_id, timeout=wait)
 
 
 # -- the facade ----------------------------------------------------------------------------------
@@ -521,7 +546,7 @@ class SyncDataTransport:
     ) -> None:
         """Register the peer as ``peer_id`` (the caller's name for it), handshaking if needed.
 
-        Blocks for at most about twice the configured handshake timeout.  Succeeds when the peer
+        Blocks for a handshake (bounded by a few handshake timeouts).  Succeeds when the peer
         already joined us (it registered us first); calling it again for the same peer is a
         no-op, for a different peer it replaces the registration.  Raises
         :class:`ProtocolError` (malformed metadata), :class:`FingerprintMismatch`,
@@ -541,7 +566,7 @@ class SyncDataTransport:
             raise LayoutMismatch(f"block_len {block_len} of {peer_id!r} differs from this side's {self._block_len}")
         engine = self._engine
         timeout = self._config.handshake_timeout
-        budget = min(_DIAL_GRACE_S, timeout / 2) + 2 * timeout + 1.0
+        budget = min(_DIAL_GRACE_S, timeout / 2) + 4 * timeout + 1.0
         try:
             engine.run(engine.join(card, base_addr, num_blocks, block_len), budget, f"handshake with {peer_id!r}")
         except DeadlineExceeded as exc:

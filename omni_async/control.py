@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from .auth import CurveGate, join_address, public_key, split_address
 from .config import AgentConfig
 from .errors import (
+    AlreadyConnected,
     ClosedError,
     HandshakeError,
     HandshakeRejected,
@@ -194,8 +195,8 @@ class ControlPlane:
                 raise ProtocolError(f"expected a welcome from {address}, got {type(msg).__name__}")
             try:
                 check_peer(self.identity, msg)
-                if msg.peer_id in self._peers:
-                    raise HandshakeRejected(f"peer {msg.peer_id!r} is already connected")
+                if msg.peer_id in self._peers or msg.peer_id in self._admitting:
+                    raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
             except HandshakeRejected as exc:
                 await dealer.send(encode_control(Bye(reason=str(exc))))
                 raise
@@ -208,6 +209,10 @@ class ControlPlane:
         peer.tasks.append(self._spawn(self._monitor_loop(peer, dealer), f"omni-control-monitor-{msg.peer_id}"))
         log.info("joined peer %s at %s", msg.peer_id, address)
         return peer.info
+
+    def is_admitting(self, peer_id: str) -> bool:
+        """True while an incoming handshake from ``peer_id`` is being admitted."""
+        return peer_id in self._admitting
 
     async def disconnect(self, peer_id: str, reason: str = "removed") -> bool:
         """Say goodbye to ``peer_id`` and forget it (``lost`` is not called); False if unknown."""
@@ -244,13 +249,17 @@ class ControlPlane:
         elif isinstance(msg, Hello):
             # Admission awaits the owner (address vetting); the loop keeps reading meanwhile.
             # Handshakes in progress count against max_peers, so a flood cannot overshoot it.
-            busy = msg.peer_id in self._admitting
+            busy = self.is_admitting(msg.peer_id)
             full = msg.peer_id not in self._peers and len(self._peers) + len(self._admitting) >= self.config.max_peers
             if busy or full:
                 self.stats.rejected += 1
-                reason = "handshake in progress" if busy else f"peer limit of {self.config.max_peers} reached"
-                log.warning("rejected peer %r: %s", msg.peer_id, reason)
-                await router.send_multipart([ident, encode_control(Reject(code="rejected", reason=reason))])
+                error = (
+                    AlreadyConnected(f"a handshake with {msg.peer_id!r} is in progress")
+                    if busy
+                    else HandshakeRejected(f"peer limit of {self.config.max_peers} reached")
+                )
+                log.warning("rejected peer %r: %s", msg.peer_id, error)
+                await router.send_multipart([ident, encode_control(reject_for(error))])
                 return
             self._admitting.add(msg.peer_id)
             self._spawn(self._handshake(router, ident, msg), f"omni-control-handshake-{msg.peer_id}")
@@ -269,7 +278,7 @@ class ControlPlane:
             known = self._peers.get(msg.peer_id)
             if known is not None:
                 if known.info.nonce == msg.nonce:
-                    raise HandshakeRejected(f"peer {msg.peer_id!r} is already connected")
+                    raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
                 self._lose(msg.peer_id, PeerLost(f"peer {msg.peer_id!r} restarted"))
             check_peer(self.identity, msg)
             info = PeerInfo.from_hello(msg)

@@ -68,6 +68,13 @@ class LayoutMismatch(HandshakeRejected):
     code = "layout"
 
 
+class AlreadyConnected(HandshakeRejected):
+    """A handshake lost to another one between the same two peers (both dialled at once, or a
+    repeated connect).  The pair is (or is about to be) joined through the other connection."""
+
+    code = "already_connected"
+
+
 class PeerError(OmniAsyncError):
     """Base class of errors about one peer."""
 
@@ -126,6 +133,7 @@ REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {
         OmniAsyncError,
         ProtocolError,
         HandshakeRejected,
+        AlreadyConnected,
         VersionMismatch,
         FingerprintMismatch,
         LayoutMismatch,

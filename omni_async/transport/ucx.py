@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from ..config import AgentConfig
 from ..errors import (
+    AlreadyConnected,
     ClosedError,
     DeadlineExceeded,
     InvalidBlocks,
@@ -155,13 +156,13 @@ class UcxTransport:
         """
         self._check_open()
         if peer.peer_id in self._links:
-            raise ValueError(f"peer {peer.peer_id!r} is already added")
+            raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
         lane.check_address(peer.agent_metadata)  # cheap structural check first
         await self._vetter.check(peer.agent_metadata)
         lane.connect(peer.agent_metadata)
         self._check_open()
         if peer.peer_id in self._links:
-            raise ValueError(f"peer {peer.peer_id!r} is already added")
+            raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
         link = _Link(peer, lane)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, partial(self._header_arrived, link))

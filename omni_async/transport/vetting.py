@@ -86,6 +86,9 @@ class AddressVetter:
         if proc is not None:
             proc.kill()
             proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
     def close(self) -> None:
         """Stop the child (a later check starts a new one).  Idempotent."""

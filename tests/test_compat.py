@@ -1,0 +1,461 @@
+"""Contract tests of ``SyncDataTransport`` against the seed ``DataTransport`` text.
+
+Written from the seed's docstrings, not from the implementation: plain synchronous test
+functions, two transports in one process (each runs its own background loop) and a transport in
+a spawned child process, driven over a pipe.  A child stopped with SIGSTOP is a receiver that
+cannot acknowledge, which makes "still in flight" deterministic without sleeping.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omni_async import (
+    AgentConfig,
+    ClosedError,
+    FingerprintMismatch,
+    LayoutMismatch,
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+)
+from omni_async.compat import PollResult, SyncDataTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, here and in spawned children
+
+TIMINGS = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "handshake_timeout": 2.0, "ucx_net_devices": "lo"}
+NUM_BLOCKS, BLOCK_LEN = 32, 16 * 1024
+DEADLINE_S = 10.0
+
+
+def config(peer_id: str, **overrides: Any) -> AgentConfig:
+    return AgentConfig(peer_id=peer_id, **{**TIMINGS, **overrides})
+
+
+def block_memory(num_blocks: int = NUM_BLOCKS, block_len: int = BLOCK_LEN, seed: int | None = None) -> np.ndarray:
+    if seed is None:
+        return np.zeros((num_blocks, block_len), dtype=np.uint8)
+    return np.random.default_rng(seed).integers(0, 256, (num_blocks, block_len), dtype=np.uint8)
+
+
+def seed_fingerprint(fields: dict[str, Any] | None) -> str:
+    """The seed's formula, restated from its text."""
+    if not fields:
+        return ""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def peer_args(t: SyncDataTransport) -> tuple[bytes, int, int, int]:
+    """What the seed's callers exchange out of band."""
+    return t.get_agent_metadata(), t.base_addr, t.num_blocks, t.block_len
+
+
+def poll_until(t: SyncDataTransport, ids: set[int], seen: PollResult | None = None,
+               deadline_s: float = DEADLINE_S) -> PollResult:
+    """Poll until every id in ``ids`` was reported; return everything reported meanwhile."""
+    done: list[int] = list(seen.done) if seen else []
+    failed: list[int] = list(seen.failed) if seen else []
+    end = time.monotonic() + deadline_s
+    while not ids <= set(done) | set(failed):
+        assert time.monotonic() < end, f"ids {ids - set(done) - set(failed)} never surfaced"
+        result = t.poll()
+        done += result.done
+        failed += result.failed
+        time.sleep(0.002)
+    return PollResult(done, failed)
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - start
+
+
+@pytest.fixture
+def make_transport() -> Iterator[Callable[..., SyncDataTransport]]:
+    """``make_transport(memory, peer_id, config_fields=None, **config)``; all closed at teardown."""
+    made: list[SyncDataTransport] = []
+
+    def factory(memory: np.ndarray, peer_id: str, config_fields: dict[str, Any] | None = None,
+                **overrides: Any) -> SyncDataTransport:
+        t = SyncDataTransport(memoryview(memory), config_fields, config=config(peer_id, **overrides))
+        made.append(t)
+        return t
+
+    yield factory
+    for t in made:
+        t.close()
+
+
+def connect_both_ways(a: SyncDataTransport, a_name: str, b: SyncDataTransport, b_name: str) -> None:
+    a.add_remote_peer(b_name, *peer_args(b))
+    b.add_remote_peer(a_name, *peer_args(a))
+
+
+# -- construction and properties ------------------------------------------------------------------
+def test_properties_match_the_view(make_transport):
+    memory = block_memory(8, 4096)
+    t = make_transport(memory, "props")
+    assert t.base_addr == ctypes.addressof(ctypes.c_char.from_buffer(memoryview(memory)))
+    assert (t.num_blocks, t.block_len) == (8, 4096)
+    assert t.config_fingerprint == ""
+    assert isinstance(t.get_agent_metadata(), bytes)
+
+    raw = bytearray(3 * 512)
+    view = memoryview(raw).cast("B", (3, 512))
+    u = SyncDataTransport(view, {"model": "m", "layers": 2}, config=config("props-2"))
+    try:
+        assert u.base_addr == ctypes.addressof(ctypes.c_char.from_buffer(view))
+        assert (u.num_blocks, u.block_len) == (3, 512)
+        assert u.config_fingerprint == seed_fingerprint({"layers": 2, "model": "m"})
+    finally:
+        u.close()
+
+
+def test_each_transport_runs_its_own_loop_thread_gone_after_idempotent_close():
+    before = set(threading.enumerate())
+    a = SyncDataTransport(memoryview(block_memory()), config=config("own-a"))
+    mid = set(threading.enumerate())
+    b = SyncDataTransport(memoryview(block_memory()), config=config("own-b"))
+    started_a = mid - before
+    started_b = set(threading.enumerate()) - mid
+    assert started_a and started_b and not started_a & started_b
+    assert all(th.daemon for th in started_a | started_b)
+    a.close()
+    a.close()
+    assert not any(th.is_alive() for th in started_a)
+    assert all(th.is_alive() for th in started_b)
+    with pytest.raises(ClosedError):
+        a.write_blocks("x", [0], [0])
+    with pytest.raises(ClosedError):
+        a.poll()
+    b.close()
+    b.close()
+    assert set(threading.enumerate()) <= before
+
+
+# -- peers ---------------------------------------------------------------------------------------------
+def test_two_in_one_process_write_both_ways_and_bytes_arrive(make_transport):
+    mem_a, mem_b = block_memory(seed=1), block_memory(seed=2)
+    orig_a = mem_a.copy()
+    a = make_transport(mem_a, "one-a")
+    b = make_transport(mem_b, "one-b")
+    connect_both_ways(a, "A", b, "B")
+
+    local, remote = [0, 1, 2, 9, 31, 4], [10, 11, 12, 0, 1, 30]
+    tid, elapsed = timed(a.write_blocks, "B", local, remote)
+    assert isinstance(tid, int) and elapsed < 0.2
+    result = poll_until(a, {tid})
+    assert result == PollResult([tid], [])
+    for li, ri in zip(local, remote, strict=True):
+        assert np.array_equal(mem_b[ri], orig_a[li])
+
+    tids = [b.write_blocks("A", [i], [31 - i]) for i in range(8)]
+    assert all(isinstance(i, int) for i in tids) and len(set(tids)) == 8
+    result = poll_until(b, set(tids))
+    assert sorted(result.done) == sorted(tids) and result.failed == []
+    assert np.array_equal(mem_a[24:32], mem_b[7::-1])  # b sent its current blocks 0..7
+    assert b.poll() == PollResult([], [])  # reported once, then gone from the inflight set
+
+
+def test_add_remote_peer_in_either_order_and_again(make_transport):
+    a = make_transport(block_memory(), "order-a")
+    b = make_transport(block_memory(), "order-b")
+    # The side that registers first is the one whose peer id sorts last.
+    b.add_remote_peer("A", *peer_args(a))
+    a.add_remote_peer("B", *peer_args(b))
+    a.add_remote_peer("B", *peer_args(b))  # once more: nothing changes
+    tid = a.write_blocks("B", [3], [4])
+    assert isinstance(tid, int)
+    assert poll_until(a, {tid}).done == [tid]
+
+
+def register_at(barrier: threading.Barrier, errors: list[Exception], me: SyncDataTransport, name: str,
+                other: SyncDataTransport) -> None:
+    """``me.add_remote_peer(name, other)`` once every party reached ``barrier``; errors collected."""
+    args = peer_args(other)
+    barrier.wait()
+    try:
+        me.add_remote_peer(name, *args)
+    except Exception as exc:  # noqa: BLE001 - collected for the test
+        errors.append(exc)
+
+
+def test_both_sides_register_at_the_same_moment(make_transport):
+    """The seed's flow from two threads at once: both calls succeed and the pair works both ways."""
+    for round_ in range(3):
+        a = make_transport(block_memory(seed=round_), f"same-{round_}-a")
+        b = make_transport(block_memory(), f"same-{round_}-b")
+        barrier = threading.Barrier(2)
+        errors: list[Exception] = []
+        threads = [threading.Thread(target=register_at, args=(barrier, errors, a, "B", b)),
+                   threading.Thread(target=register_at, args=(barrier, errors, b, "A", a))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(DEADLINE_S)
+        assert errors == []
+        ta, tb = a.write_blocks("B", [1], [2]), b.write_blocks("A", [3], [4])
+        assert ta is not None and tb is not None
+        assert poll_until(a, {ta}).done == [ta] and poll_until(b, {tb}).done == [tb]
+
+
+def test_one_sided_registration_is_enough_to_write(make_transport):
+    mem_a = block_memory(seed=5)
+    mem_b = block_memory()
+    a = make_transport(mem_a, "solo-z")  # sorts last: waits for a dial that never comes, then dials
+    b = make_transport(mem_b, "solo-a")
+    a.add_remote_peer("B", *peer_args(b))
+    tid = a.write_blocks("B", [1], [2])
+    assert poll_until(a, {tid}).done == [tid]
+    assert np.array_equal(mem_b[2], mem_a[1])
+
+
+def test_write_to_unregistered_peer_or_bad_indices_returns_none(make_transport):
+    a = make_transport(block_memory(), "none-a")
+    b = make_transport(block_memory(), "none-b")
+    assert a.write_blocks("nobody", [0], [0]) is None
+    connect_both_ways(a, "A", b, "B")
+    assert a.write_blocks("b", [0], [0]) is None  # the caller's name is "B"
+    assert a.write_blocks("B", [0, 1], [0]) is None
+    assert a.write_blocks("B", [NUM_BLOCKS], [0]) is None
+    assert a.write_blocks("B", [0], [NUM_BLOCKS]) is None
+    assert a.poll() == PollResult([], [])
+
+
+def test_fingerprint_mismatch_raises(make_transport):
+    a = make_transport(block_memory(), "fp-a", {"model": "x"})
+    b = make_transport(block_memory(), "fp-b", {"model": "y"})
+    with pytest.raises(FingerprintMismatch):
+        a.add_remote_peer("B", *peer_args(b))
+    with pytest.raises(FingerprintMismatch):
+        b.add_remote_peer("A", *peer_args(a))
+    assert a.write_blocks("B", [0], [0]) is None
+    c = make_transport(block_memory(), "fp-c")  # no fingerprint: compatible with anyone
+    a.add_remote_peer("C", *peer_args(c))
+    assert isinstance(a.write_blocks("C", [0], [0]), int)
+
+
+def test_malformed_metadata_raises_protocol_error(make_transport):
+    a = make_transport(block_memory(), "meta-a")
+    for blob in (b"", b"\x00garbage", json.dumps({"address": "tcp://127.0.0.1:1"}).encode()):
+        with pytest.raises(ProtocolError):
+            a.add_remote_peer("X", blob, 0, NUM_BLOCKS, BLOCK_LEN)
+
+
+def test_layout_mismatch_raises_and_leaves_peer_unregistered(make_transport):
+    a = make_transport(block_memory(), "lay-a")
+    b = make_transport(block_memory(), "lay-b")
+    meta, base, num, blen = peer_args(b)
+    with pytest.raises(LayoutMismatch):
+        a.add_remote_peer("B", meta, base, num, blen * 2)  # block_len must match the local one
+    with pytest.raises(LayoutMismatch):
+        a.add_remote_peer("B", meta, base, num + 1, blen)
+    with pytest.raises(LayoutMismatch):
+        a.add_remote_peer("B", meta, base + 4096, num, blen)
+    assert a.write_blocks("B", [0], [0]) is None
+    a.add_remote_peer("B", meta, base, num, blen)
+    assert isinstance(a.write_blocks("B", [0], [0]), int)
+
+
+def test_cancel_immediate_in_process_never_reports_the_id(make_transport):
+    a = make_transport(block_memory(seed=3), "ci-a")
+    b = make_transport(block_memory(), "ci-b")
+    connect_both_ways(a, "A", b, "B")
+    tid = a.write_blocks("B", list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)))
+    assert a.cancel([tid, 987654], "immediate") == []
+    marker = a.write_blocks("B", [0], [0])
+    seen = poll_until(a, {marker})
+    seen = poll_until(a, set(), seen, deadline_s=0.2)
+    assert tid not in seen.done and tid not in seen.failed
+    assert a.cancel([tid], "wait") == []  # no longer tracked
+
+
+def test_unknown_cancel_mode_is_refused(make_transport):
+    a = make_transport(block_memory(), "mode-a")
+    with pytest.raises(ValueError):
+        a.cancel([1], "later")  # type: ignore[arg-type]
+
+
+# -- a peer in another process -------------------------------------------------------------------------
+def _child_main(conn: Any, peer_id: str, num_blocks: int, block_len: int) -> None:
+    """A SyncDataTransport in a spawned process, answering commands sent over ``conn``."""
+    memory = np.zeros((num_blocks, block_len), dtype=np.uint8)
+    baseline = set(threading.enumerate())
+    t = SyncDataTransport(memoryview(memory), config=config(peer_id))
+    started = sorted(th.name for th in set(threading.enumerate()) - baseline)
+    conn.send((os.getpid(), started, *peer_args(t)))
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "add":
+                reply: Any = t.add_remote_peer(*args)
+            elif cmd == "fill":
+                memory[:] = block_memory(num_blocks, block_len, seed=args[0])
+                reply = None
+            elif cmd == "write":
+                tid = t.write_blocks(*args)
+                result = poll_until(t, {tid})
+                reply = ("done" if tid in result.done else "failed", tid)
+            elif cmd == "read":
+                reply = memory[list(args[0])].tobytes()
+            elif cmd == "close":
+                t.close()
+                t.close()
+                reply = sorted(th.name for th in set(threading.enumerate()) - baseline)
+            else:
+                raise ValueError(cmd)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            conn.send(("error", type(exc).__name__, str(exc)))
+        else:
+            conn.send(("ok", reply))
+        if cmd == "close":
+            return
+
+
+class Child:
+    """Handle on a ``_child_main`` process."""
+
+    def __init__(self, peer_id: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_main, args=(child_conn, peer_id, NUM_BLOCKS, BLOCK_LEN), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        assert self.conn.poll(30), "child did not start"
+        self.pid, self.threads, *self.args = self.conn.recv()
+
+    def send(self, cmd: str, *args: Any) -> None:
+        self.conn.send((cmd, *args))
+
+    def reply(self, timeout: float = DEADLINE_S) -> Any:
+        assert self.conn.poll(timeout), "child did not answer"
+        status, *rest = self.conn.recv()
+        assert status == "ok", rest
+        return rest[0]
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        self.send(cmd, *args)
+        return self.reply()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def finish(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()  # SIGKILL also ends a stopped process
+        self.proc.join(10)
+
+
+@pytest.fixture
+def child() -> Iterator[Callable[[str], Child]]:
+    children: list[Child] = []
+
+    def factory(peer_id: str) -> Child:
+        c = Child(peer_id)
+        children.append(c)
+        return c
+
+    yield factory
+    for c in children:
+        c.finish()
+
+
+def pair_with_child(t: SyncDataTransport, c: Child) -> None:
+    """Both sides register each other at the same time, as two real processes would."""
+    c.send("add", "parent", *peer_args(t))
+    t.add_remote_peer("child", *c.args)
+    assert c.reply() is None
+
+
+def test_two_processes_write_both_ways_and_bytes_arrive(make_transport, child):
+    mem = block_memory(seed=11)
+    original = mem.copy()
+    t = make_transport(mem, "proc-p")
+    c = child("proc-c")
+    pair_with_child(t, c)
+
+    local, remote = [5, 6, 7, 8, 30, 2], [10, 11, 12, 13, 1, 31]
+    tid = t.write_blocks("child", local, remote)
+    assert isinstance(tid, int)
+    assert poll_until(t, {tid}) == PollResult([tid], [])
+    got = np.frombuffer(c.call("read", remote), dtype=np.uint8).reshape(len(remote), BLOCK_LEN)
+    assert np.array_equal(got, original[local])
+
+    c.call("fill", 12)
+    status, _ = c.call("write", "parent", list(range(16)), list(range(16, 32)))
+    assert status == "done"
+    assert np.array_equal(mem[16:32], block_memory(seed=12)[:16])
+    assert np.array_equal(mem[:16], original[:16])  # untouched blocks unchanged
+
+    assert c.threads  # the transport runs its own loop thread ...
+    assert c.call("close") == []  # ... and no thread it started is left after close
+    c.proc.join(10)
+    assert c.proc.exitcode == 0
+
+
+def test_remove_remote_peer_fails_inflight(make_transport, child):
+    t = make_transport(block_memory(seed=13), "rm-a")  # sorts first: dials at once
+    c = child("rm-z")
+    pair_with_child(t, c)
+    c.signal(signal.SIGSTOP)  # the receiver cannot acknowledge: the write stays in flight
+    try:
+        tid, elapsed = timed(t.write_blocks, "child", list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)))
+        assert isinstance(tid, int) and elapsed < 0.2
+        assert poll_until(t, set(), deadline_s=0.1) == PollResult([], [])
+        t.remove_remote_peer("child")
+        assert poll_until(t, {tid}) == PollResult([], [tid])
+        assert isinstance(t.failure_reason(tid), PeerLost)
+        assert t.write_blocks("child", [0], [0]) is None
+        t.remove_remote_peer("child")  # unknown now: ignored
+    finally:
+        c.signal(signal.SIGCONT)
+
+
+def test_cancel_wait_and_immediate_then_peer_death(make_transport, child):
+    t = make_transport(block_memory(seed=14), "cx-p")
+    c = child("cx-c")
+    pair_with_child(t, c)
+    everything = list(range(NUM_BLOCKS))
+
+    # "wait": the transfer is still moving, so its id is returned and surfaces later.
+    c.signal(signal.SIGSTOP)
+    tid = t.write_blocks("child", everything, everything)
+    assert t.cancel([tid, 424242], "wait") == [tid]
+    assert poll_until(t, set(), deadline_s=0.1) == PollResult([], [])
+    c.signal(signal.SIGCONT)
+    seen = poll_until(t, {tid})
+    assert tid in seen.done or tid in seen.failed
+
+    # "immediate": returns [] at once and the id is never reported.
+    c.signal(signal.SIGSTOP)
+    gone = t.write_blocks("child", everything, everything)
+    assert t.cancel([gone], "immediate") == []
+    c.signal(signal.SIGCONT)
+    marker = t.write_blocks("child", [0], [0])
+    seen = poll_until(t, {marker})
+    seen = poll_until(t, set(), seen, deadline_s=0.2)
+    assert marker in seen.done and gone not in seen.done and gone not in seen.failed
+
+    # A peer that dies mid-transfer: the write fails (after the heartbeat timeout) and is reported.
+    c.signal(signal.SIGSTOP)
+    doomed = t.write_blocks("child", everything, everything)
+    c.signal(signal.SIGKILL)
+    assert poll_until(t, {doomed}) == PollResult([], [doomed])
+    assert isinstance(t.failure_reason(doomed), OmniAsyncError)
+    assert t.write_blocks("child", [0], [0]) is None
