@@ -190,6 +190,11 @@ class UcxTransport:
         self._closing.add(lane)
 
     @property
+    def ucx_config(self) -> dict[str, str]:
+        """The UCX context's effective configuration (e.g. ``["TLS"]``, the transports allowed)."""
+        return dict(self._context.config)
+
+    @property
     def peer_ids(self) -> list[str]:
         return list(self._links)
 

@@ -8,6 +8,15 @@
 ``python -m tests.helpers.peer write REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
   connects to ADDRESS, prints ``{"connected": peer_id}`` and writes all its blocks there
   in a loop until killed.
+
+``python -m tests.helpers.peer pump REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
+  like ``write`` with 8 writes in flight, printing ``{"ok": n}`` every 20 completed writes and
+  ``{"failed": ErrorType, "at": monotonic}`` once when writes start failing; then, for each
+  ``reconnect`` line on stdin, connects again, writes every block once and prints
+  ``{"reconnected": peer_id}``.
+
+``serve`` also prints ``{"event": "joined"|"left", "peer": id, "error": ErrorType, "at": t}``
+for every peer event, and ``{"tls": ...}`` (the UCX transports in use) after its address.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -45,7 +55,11 @@ async def main(argv: list[str]) -> None:
                 log.flush()
 
             agent.set_message_sink(sink)
+            agent.add_peer_listener(lambda e: say({
+                "event": e.kind, "peer": e.peer_id, "at": time.monotonic(),
+                "error": type(e.error).__name__ if e.error else None}))
             say({"address": agent.control_address, "peer_id": agent.peer_id})
+            say({"tls": agent.transport.ucx_config["TLS"]})
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, sys.stdin.read)
         elif role == "write":
@@ -54,6 +68,33 @@ async def main(argv: list[str]) -> None:
             blocks = list(range(region.num_blocks))
             while True:
                 await agent.write_blocks(peer, blocks, blocks)
+        elif role == "pump":
+            await pump(agent, argv[5])
+
+
+async def pump(agent: Agent, address: str) -> None:
+    region = agent.region.array
+    region[:] = np.random.default_rng(11).integers(0, 256, region.shape, dtype=np.uint8)
+    peer = await agent.connect(address)
+    say({"connected": peer})
+    blocks = list(range(agent.region.num_blocks))
+    done = 0
+
+    async def writer() -> None:
+        nonlocal done
+        while True:
+            await agent.write_blocks(peer, blocks, blocks)
+            done += 1
+            if done % 20 == 0:
+                say({"ok": done})
+
+    results = await asyncio.gather(*(writer() for _ in range(8)), return_exceptions=True)
+    say({"failed": type(results[0]).__name__, "at": time.monotonic(), "kinds": sorted({type(r).__name__ for r in results})})
+    loop = asyncio.get_running_loop()
+    while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() == "reconnect":
+        peer = await agent.connect(address)
+        await agent.write_blocks(peer, blocks, blocks)
+        say({"reconnected": peer})
 
 
 if __name__ == "__main__":
