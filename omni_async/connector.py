@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import msgspec
+import xxhash
 
 from . import serde
 from .agent import Agent, PeerEvent
@@ -123,6 +124,9 @@ def create_connector(spec: ConnectorSpec | dict[str, Any], agent: Agent) -> Conn
 class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_buffered_bytes: int = 256 << 20
     """Payload bytes buffered before acknowledgements are held back."""
+    checksum: bool = False
+    """End-to-end xxh3-64 of every payload (header and frames), checked by the receiver.
+    Both sides must agree."""
     max_refused: int = 65536
     """How many refused prefixes (cleaned-up requests) are remembered."""
 
@@ -165,6 +169,8 @@ class UcxConnector(Connector):
         if self._closed:
             raise ClosedError("connector is closed")
         header, frames = serde.encode(payload)
+        if self.options.checksum:
+            header = _digest(header, frames) + header
         return self.agent.send_message(peer_id, key, header, frames)
 
     def wait_for(self, key: str, *, source: str | None = None) -> asyncio.Future[dict[str, Any]]:
@@ -218,6 +224,8 @@ class UcxConnector(Connector):
         if self._refused and key[: key.rfind(":") + 1] in self._refused:
             raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
         try:
+            if self.options.checksum:
+                meta = _verified(meta, frames)
             payload = serde.decode(meta, frames)
         except ProtocolError as exc:
             log.warning("invalid payload %r from %s: %s", key, peer_id, exc)
@@ -253,3 +261,24 @@ class UcxConnector(Connector):
         for key, (future, source) in list(self._waiters.items()):
             if source == event.peer_id and not future.done():
                 future.set_exception(event.error or ClosedError(f"peer {event.peer_id!r} left"))
+
+
+_DIGEST_BYTES = 8
+
+
+def _digest(header: bytes, frames: list[Any]) -> bytes:
+    """xxh3-64 of a payload's header and frames, 8 bytes big-endian."""
+    hasher = xxhash.xxh3_64(header)
+    for frame in frames:
+        hasher.update(frame)
+    return hasher.digest()
+
+
+def _verified(meta: bytes, frames: Frames) -> bytes:
+    """Strip and check the digest :func:`_digest` put in front of ``meta``; return the header."""
+    if len(meta) < _DIGEST_BYTES:
+        raise ProtocolError("payload has no checksum (is checksum on at both ends?)")
+    digest, header = meta[:_DIGEST_BYTES], meta[_DIGEST_BYTES:]
+    if _digest(header, list(frames)) != digest:
+        raise ProtocolError("payload checksum mismatch: the data was corrupted in transit")
+    return header

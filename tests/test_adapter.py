@@ -187,3 +187,33 @@ async def test_idle_adapters_do_not_poll(make_service):
     assert used < 0.1, f"{used:.3f}s CPU in 1s idle"
     assert waiter.done() and not later.done()
     later.cancel()
+
+
+async def test_checksums_end_to_end(make_service):
+    sections = {"connector": {"name": "ucx", "extra": {"checksum": True}}}
+    tx = await make_service("tx", **sections)
+    rx = await make_service("rx", **sections)
+    await tx.agent.connect(rx.control_address)
+    payload = {"x": np.arange(1000, dtype=np.float32), "b": b"bytes"}
+    await asyncio.wait_for(tx.connector.put("rx", "k", payload), 5)
+    got = await rx.connector.get("k", timeout=5)
+    assert np.array_equal(got["x"], payload["x"]) and got["b"] == b"bytes"
+
+
+async def test_checksum_mismatch_is_caught(make_service):
+    """Fault injection: corrupt a frame after its digest was computed."""
+    from omni_async import serde
+    from omni_async.connector import _digest
+
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"checksum": True}})
+    await tx.agent.connect(rx.control_address)
+    data = np.arange(100, dtype=np.int64)
+    header, frames = serde.encode({"x": data})
+    meta = _digest(header, frames) + header
+    data[3] = -1  # corrupted after the digest
+    waiter = rx.connector.wait_for("k")
+    with pytest.raises(ProtocolError, match="checksum"):
+        await asyncio.wait_for(tx.agent.send_message("rx", "k", meta, frames), 5)
+    with pytest.raises(ProtocolError, match="checksum"):
+        await asyncio.wait_for(waiter, 5)
