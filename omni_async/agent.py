@@ -21,6 +21,7 @@ from .config import AgentConfig
 from .control import ControlPlane
 from .errors import ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import LocalIdentity, PeerInfo
+from .metrics import Metrics, serve_metrics
 from .region import BlockRegion, config_fingerprint
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
 
@@ -54,6 +55,7 @@ class Agent:
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None
+        self.metrics = Metrics(self.identity.peer_id)
         self._listeners: list[PeerListener] = []
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -66,10 +68,12 @@ class Agent:
             raise ClosedError("agent is closed")
         if self._control is not None:
             return self
-        self._transport = UcxTransport(self.region, self.config, fault=self._fault)
+        self._transport = UcxTransport(self.region, self.config, fault=self._fault, metrics=self.metrics)
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         try:
             await self._control.start()
+            if self.config.metrics_port:
+                serve_metrics(self.config.metrics_port, self.config.host)
         except BaseException:
             await self.close()
             raise
@@ -172,6 +176,18 @@ class Agent:
                     return peer_id
                 await self._changed.wait()
 
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for code: transfer counters and bytes by kind and outcome, peers, refusals."""
+        control = self._control
+        return {
+            **self.metrics.snapshot(),
+            "peers": len(self.transport.peer_ids) if self._transport is not None else 0,
+            "in_flight": len(self.transport.in_flight()) if self._transport is not None and not self._closed else 0,
+            "control.rejected": control.stats.rejected if control else 0,
+            "control.protocol_errors": control.stats.protocol_errors if control else 0,
+            "control.unauthenticated": control.unauthenticated if control else 0,
+        }
+
     def add_peer_listener(self, listener: PeerListener) -> None:
         """Call ``listener(event)`` whenever a peer joins or leaves (on the loop)."""
         self._listeners.append(listener)
@@ -219,6 +235,9 @@ class Agent:
 
     # -- helpers -----------------------------------------------------------------------------
     def _emit(self, event: PeerEvent) -> None:
+        reason = "" if event.error is None else event.error.code
+        peers = len(self._transport.peer_ids) if self._transport is not None else 0
+        self.metrics.peer_event(event.kind, reason, peers)
         for listener in list(self._listeners):
             try:
                 listener(event)

@@ -53,6 +53,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Most blocks one incoming write may name."""
     max_message_bytes: Positive = 1 << 30
     """Largest incoming chunk message (all frames together)."""
+    metrics_port: Port = 0
+    """Serve Prometheus ``/metrics`` on this port (0: off).  One endpoint serves every agent of
+    the process; start at most one agent with it set."""
     curve_secret_key: str = ""
     """This side's ZeroMQ CURVE secret key (Z85).  With it the control plane is encrypted and
     only peers whose public key is in ``curve_allowed_keys`` may connect.  Off by default

@@ -42,11 +42,13 @@ from ..errors import (
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    TransferCancelled,
     TransferFailed,
     UnknownPeer,
     error_from_code,
 )
 from ..handshake import PeerInfo
+from ..metrics import Kind, Metrics
 from ..region import BlockRegion, plan_runs
 from ..wire import (
     HEADER_TAG,
@@ -88,6 +90,18 @@ def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
     return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
 
 
+class _Sent:
+    """A transfer in flight: its deadline timer, kind and start time (for metrics)."""
+
+    __slots__ = ("transfer", "timer", "kind", "started")
+
+    def __init__(self, transfer: Transfer, timer: asyncio.TimerHandle, kind: Kind, started: float) -> None:
+        self.transfer = transfer
+        self.timer = timer
+        self.kind = kind
+        self.started = started
+
+
 @dataclass(eq=False)
 class _Link:
     """Everything the transport keeps about one peer."""
@@ -95,7 +109,7 @@ class _Link:
     peer: PeerInfo
     lane: Lane
     next_seq: int = 0
-    sent: dict[int, tuple[Transfer, asyncio.TimerHandle]] = field(default_factory=dict)
+    sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
 
     def take_seq(self, count: int) -> int:
@@ -129,9 +143,10 @@ class UcxTransport:
     it (``remove_peer``).  Chunk messages go to :attr:`message_sink` (unset: refused).
     """
 
-    def __init__(self, region: BlockRegion, config: AgentConfig, fault: FaultCallback) -> None:
+    def __init__(self, region: BlockRegion, config: AgentConfig, fault: FaultCallback, metrics: Metrics) -> None:
         self.region = region
         self.config = config
+        self.metrics = metrics
         self.message_sink: MessageSink | None = None
         self._fault = fault
         self._loop = asyncio.get_running_loop()
@@ -176,10 +191,8 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
-        for transfer, timer in link.sent.values():
-            timer.cancel()
-            transfer.set_failed(error)
-        link.sent.clear()
+        for transfer_id in list(link.sent):
+            self._settle(link, transfer_id, error)
         self.discard_lane(link.lane, error)
         return True
 
@@ -204,7 +217,7 @@ class UcxTransport:
     def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
         """Transfers sent and not settled yet (to one peer, or to all)."""
         links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
-        return [transfer for link in links for transfer, _ in link.sent.values()]
+        return [sent.transfer for link in links for sent in link.sent.values()]
 
     # -- sending ---------------------------------------------------------------------------
     def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
@@ -218,7 +231,7 @@ class UcxTransport:
         link = self._link(peer_id)
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
         block_len = self.region.block_len
-        transfer = self._new_transfer(link, len(local_idxs) * block_len)
+        transfer = self._new_transfer(link, len(local_idxs) * block_len, "blocks")
         if not runs:
             transfer.set_done()
             return transfer
@@ -241,7 +254,7 @@ class UcxTransport:
         link = self._link(peer_id)
         views = [_byte_view(frame) for frame in frames]
         sizes = [int(view.nbytes) for view in views]
-        transfer = self._new_transfer(link, sum(sizes))
+        transfer = self._new_transfer(link, sum(sizes), "messages")
         seq = link.take_seq(len(views))
         header = MessageHeader(transfer.id, seq, key, meta, sizes)
         on_sent = partial(self._sent, link, transfer.id)
@@ -251,10 +264,10 @@ class UcxTransport:
                 link.lane.send(view, data_tag(seq + i), on_sent)
         return transfer
 
-    def _new_transfer(self, link: _Link, nbytes: int) -> Transfer:
+    def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
         timer = self._loop.call_later(self.config.transfer_timeout, self._expire, link, transfer.id)
-        link.sent[transfer.id] = (transfer, timer)
+        link.sent[transfer.id] = _Sent(transfer, timer, kind, self._loop.time())
         return transfer
 
     def _sent(self, link: _Link, transfer_id: int, error: BaseException | None) -> None:
@@ -273,15 +286,16 @@ class UcxTransport:
         )
 
     def _settle(self, link: _Link, transfer_id: int, error: OmniAsyncError | None) -> None:
-        entry = link.sent.pop(transfer_id, None)
-        if entry is None:
+        sent = link.sent.pop(transfer_id, None)
+        if sent is None:
             return  # settled already (cancelled, expired, acknowledged)
-        transfer, timer = entry
-        timer.cancel()
+        sent.timer.cancel()
+        outcome = "ok" if error is None else error.code
+        self.metrics.settled(sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started)
         if error is None:
-            transfer.set_done()
+            sent.transfer.set_done()
         else:
-            transfer.set_failed(error)
+            sent.transfer.set_failed(error)
 
     # -- cancelling ------------------------------------------------------------------------
     def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
@@ -295,7 +309,7 @@ class UcxTransport:
         draining = []
         for link in list(self._links.values()):
             for transfer_id in wanted.intersection(link.sent):
-                if link.sent[transfer_id][0].cancel(mode):
+                if link.sent[transfer_id].transfer.cancel(mode):
                     draining.append(transfer_id)
         return draining
 
@@ -305,8 +319,9 @@ class UcxTransport:
             return False
         if mode == "wait":
             return True
-        _, timer = link.sent.pop(transfer.id)
-        timer.cancel()
+        sent = link.sent.pop(transfer.id)
+        sent.timer.cancel()
+        self.metrics.settled(sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started)
         return False
 
     # -- receiving -------------------------------------------------------------------------
@@ -338,12 +353,12 @@ class UcxTransport:
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
         lane, array = link.lane, self.region.array
-        finish = partial(self._answer, link, req.transfer_id)
         try:
-            validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
+            blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
             self._drain(link, req, InvalidBlocks(str(exc)))
             return
+        finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
         inbound = _Inbound(len(req.runs), finish)
         for i, (start, count) in enumerate(req.runs):
             lane.recv(array[start : start + count], data_tag(req.seq + i), inbound.part_done)
@@ -356,19 +371,19 @@ class UcxTransport:
             self._fault(link.peer.peer_id, ProtocolError(f"refused write is too large to drain: {reason}"))
             return
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
-        inbound = _Inbound(len(req.runs), lambda _error: self._answer(link, req.transfer_id, reason))
+        inbound = _Inbound(len(req.runs), lambda _error: self._answer(link, req.transfer_id, "blocks", 0, reason))
         for i, (_, count) in enumerate(req.runs):
             link.lane.recv(np.empty(count * block_len, np.uint8), data_tag(req.seq + i), inbound.part_done)
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
         try:
-            validate_message(hdr, self.config.max_message_bytes)
+            nbytes = validate_message(hdr, self.config.max_message_bytes)
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
             return
         frames = [np.empty(size, np.uint8) for size in hdr.frames]
         receiving = [(i, frame) for i, frame in enumerate(frames) if frame.nbytes]
-        deliver = partial(self._deliver, link, hdr, frames)
+        deliver = partial(self._deliver, link, hdr, frames, nbytes)
         if not receiving:
             deliver(None)
             return
@@ -376,39 +391,44 @@ class UcxTransport:
         for i, frame in receiving:
             link.lane.recv(frame, data_tag(hdr.seq + i), inbound.part_done)
 
-    def _deliver(self, link: _Link, hdr: MessageHeader, frames: Frames, error: BaseException | None) -> None:
+    def _deliver(
+        self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
+    ) -> None:
+        answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
         if error is not None:
-            self._answer(link, hdr.transfer_id, error)
+            answer(error)
             return
         sink = self.message_sink
         if sink is None:
-            self._answer(link, hdr.transfer_id, TransferFailed("the receiver takes no messages"))
+            answer(TransferFailed("the receiver takes no messages"))
             return
         try:
             pending = sink(link.peer.peer_id, hdr.key, hdr.meta, frames)
         except OmniAsyncError as exc:
-            self._answer(link, hdr.transfer_id, exc)
+            answer(exc)
             return
         if pending is None:
-            self._answer(link, hdr.transfer_id, None)
+            answer(None)
         elif inspect.isawaitable(pending):
             task = asyncio.ensure_future(pending)
-            task.add_done_callback(partial(self._sink_done, link, hdr.transfer_id))
+            task.add_done_callback(partial(self._sink_done, answer))
 
-    def _sink_done(self, link: _Link, transfer_id: int, task: asyncio.Future[None]) -> None:
+    @staticmethod
+    def _sink_done(answer: Callable[[BaseException | None], None], task: asyncio.Future[None]) -> None:
         if task.cancelled():
-            self._answer(link, transfer_id, TransferFailed("the receiver cancelled the message"))
+            answer(TransferFailed("the receiver cancelled the message"))
             return
         error = task.exception()
         if error is not None and not isinstance(error, OmniAsyncError):
             log.error("message sink failed", exc_info=error)
             error = TransferFailed(f"the receiver failed: {error!r}")
-        self._answer(link, transfer_id, error)
+        answer(error)
 
-    def _answer(self, link: _Link, transfer_id: int, error: BaseException | None) -> None:
+    def _answer(self, link: _Link, transfer_id: int, kind: Kind, nbytes: int, error: BaseException | None) -> None:
         """Acknowledge an incoming transfer, or report why it failed, unless the lane is gone."""
         if self._links.get(link.peer.peer_id) is not link:
             return
+        self.metrics.answered(kind, nbytes, "ok" if error is None else getattr(error, "code", TransferFailed.code))
         if error is None:
             ack = Ack(transfer_id)
         elif isinstance(error, OmniAsyncError):
