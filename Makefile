@@ -21,6 +21,9 @@ test: $(STAMP)
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_wire.py
 
+soak: $(STAMP)
+	$(PY) -m tests.soak
+
 bench: $(STAMP)
 	$(PY) -m bench blocks
 	$(PY) -m bench chunks

@@ -15,6 +15,12 @@ event loop *owned by the transport* in a daemon thread (uvloop where installed):
 
 Threading: every public method may be called from any thread except the transport's own loop
 thread (a call from there would wait on itself and raises :class:`RuntimeError`).
+
+:class:`SyncTransferAdapter` does the same for the seed ``OmniTransferAdapterBase``: a
+:class:`~omni_async.service.ConnectorService` and its :class:`~omni_async.adapter.TransferAdapter`
+run on an owned loop (the same :class:`_LoopThread` machinery); ``save_async`` / ``load_async``
+return at once and report through drained books (``get_finished_requests``,
+``collect_failed_*``), ``save`` / ``load`` block with a bound.
 """
 
 from __future__ import annotations
@@ -27,16 +33,17 @@ import logging
 import socket
 import threading
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Annotated, Any, NamedTuple, Self, TypeVar
 
 import msgspec
 
+from .adapter import Chunk, TransferAdapter
 from .agent import Agent, PeerEvent
-from .config import AgentConfig
+from .config import AgentConfig, ServiceConfig, load_config
 from .errors import (
     AlreadyConnected,
     ClosedError,
@@ -50,13 +57,16 @@ from .errors import (
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    TransferCancelled,
     TransferFailed,
 )
 from .region import BlockRegion, config_fingerprint, fingerprints_compatible, plan_runs
+from .serde import Payload
+from .service import ConnectorService
 from .transport import CancelMode, Transfer
 from .wire import MAX_METADATA_BYTES, MAX_PEER_ID
 
-__all__ = ["PollResult", "SyncDataTransport", "decode_agent_metadata"]
+__all__ = ["Chunk", "PollResult", "SyncDataTransport", "SyncTransferAdapter", "decode_agent_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -149,31 +159,22 @@ def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-class _Engine:
-    """The background loop, the agent on it, and the books shared with the caller's threads.
+class _LoopThread:
+    """An event loop that runs forever in a daemon thread, and bounded hand-offs to it.
 
-    Holds no reference to the facade, so an unreferenced :class:`SyncDataTransport` can be
-    collected (and its finalizer shuts the engine down).  Fields marked *locked* are guarded by
-    ``lock``; ``handles`` belongs to the loop thread alone.
+    Shared by the synchronous facades of this module.  ``owner`` names the facade in the error
+    raised when it is called from its own loop thread (where waiting on the loop would deadlock).
+    Stopping is the subclass's job: ``loop.stop`` from any thread ends :meth:`_run`, which
+    cancels the tasks left, shuts down async generators and the default executor, and closes
+    the loop.
     """
 
-    def __init__(self, config: AgentConfig, use_uvloop: bool) -> None:
-        self.config = config
-        self.lock = threading.Lock()
-        self.closed = False  # locked
-        self.ids = itertools.count(1)  # locked
-        self.inflight: dict[int, str] = {}  # locked: id -> caller's peer id, until polled/cancelled
-        self.settled: dict[int, tuple[str, bool]] = {}  # locked: id -> (peer id, ok), not polled yet
-        self.reasons: OrderedDict[int, OmniAsyncError] = OrderedDict()  # locked
-        self.live: set[str] = set()  # locked: agent-level ids of joined peers
-        self.peers: dict[str, _Registration] = {}  # locked: caller's peer id -> registration
-        self.handles: dict[int, Transfer] = {}  # loop thread only: id -> core transfer, until settled
-        self.agent: Agent | None = None
+    def __init__(self, name: str, owner: str, use_uvloop: bool) -> None:
+        self.owner = owner
         self.loop = _new_loop(use_uvloop)
-        self.thread = threading.Thread(target=self._run, name=f"omni-sync-{config.peer_id}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    # -- thread and loop ----------------------------------------------------------------------
     def _run(self) -> None:
         loop = self.loop
         asyncio.set_event_loop(loop)
@@ -193,10 +194,11 @@ class _Engine:
 
     def check_caller(self) -> None:
         if threading.current_thread() is self.thread:
-            raise RuntimeError("SyncDataTransport must not be called from its own event-loop thread")
+            raise RuntimeError(f"{self.owner} must not be called from its own event-loop thread")
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
-        """Run ``coro`` on the loop and wait up to ``timeout`` s; raise its error or DeadlineExceeded."""
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        """Run ``coro`` on the loop and wait up to ``timeout`` s (None: no limit here); raise its
+        error, :class:`DeadlineExceeded`, or :class:`ClosedError` if the loop cancelled it."""
         self.check_caller()
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
@@ -226,6 +228,29 @@ class _Engine:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise DeadlineExceeded(f"{what} did not finish within {timeout:.1f}s") from None
+
+
+class _Engine(_LoopThread):
+    """The background loop, the agent on it, and the books shared with the caller's threads.
+
+    Holds no reference to the facade, so an unreferenced :class:`SyncDataTransport` can be
+    collected (and its finalizer shuts the engine down).  Fields marked *locked* are guarded by
+    ``lock``; ``handles`` belongs to the loop thread alone.
+    """
+
+    def __init__(self, config: AgentConfig, use_uvloop: bool) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.closed = False  # locked
+        self.ids = itertools.count(1)  # locked
+        self.inflight: dict[int, str] = {}  # locked: id -> caller's peer id, until polled/cancelled
+        self.settled: dict[int, tuple[str, bool]] = {}  # locked: id -> (peer id, ok), not polled yet
+        self.reasons: OrderedDict[int, OmniAsyncError] = OrderedDict()  # locked
+        self.live: set[str] = set()  # locked: agent-level ids of joined peers
+        self.peers: dict[str, _Registration] = {}  # locked: caller's peer id -> registration
+        self.handles: dict[int, Transfer] = {}  # loop thread only: id -> core transfer, until settled
+        self.agent: Agent | None = None
+        super().__init__(f"omni-sync-{config.peer_id}", "SyncDataTransport", use_uvloop)
 
     def start(self, region: BlockRegion) -> None:
         async def start_agent() -> None:
@@ -699,3 +724,458 @@ class SyncDataTransport:
     def _check_open(self) -> None:
         if self._engine.closed:
             raise ClosedError("transport is closed")
+
+
+# -- the transfer-adapter facade -------------------------------------------------------------------
+_SHUTDOWN_MARGIN_S = 5.0
+"""Beyond the adapters' ``drain_timeout``: how long closing the service may take before we give up."""
+
+
+def _reason(error: BaseException) -> str:
+    """The text a scheduler sees for a failed request: ``"PeerLost: peer 'x' left"``."""
+    return f"{type(error).__name__}: {error}"
+
+
+class _SaveBook:
+    """Send-side state of one request saved with ``save_async`` (loop thread writes, under the lock)."""
+
+    __slots__ = ("pending", "final", "failed")
+
+    def __init__(self) -> None:
+        self.pending = 0  # chunks queued and not yet settled
+        self.final = False  # the final chunk was queued
+        self.failed = False  # a chunk failed: reported once, never finished
+
+
+class _AdapterEngine(_LoopThread):
+    """The loop thread, the service and adapters on it, and the books the facade drains.
+
+    Holds no reference to the facade (its finalizer shuts the engine down).  Fields marked
+    *locked* are guarded by ``lock``; ``service``, ``sender`` and ``receiver`` are touched only
+    on the loop thread once started.
+    """
+
+    def __init__(self, config: ServiceConfig, stage: str, destination: str | None, source: str | None,
+                 use_uvloop: bool) -> None:
+        self.config = config
+        self.stage = stage
+        self.lock = threading.Lock()
+        self.closed = False  # locked
+        self.destination = destination  # locked
+        self.saves: dict[str, _SaveBook] = {}  # locked
+        self.finished: set[str] = set()  # locked
+        self.failed_send: dict[str, str] = {}  # locked
+        self.failed_recv: dict[str, str] = {}  # locked
+        self.loaded: dict[str, deque[Chunk]] = {}  # locked
+        self.source = source
+        self.service: ConnectorService | None = None
+        self.sender: TransferAdapter | None = None
+        self.receiver: TransferAdapter | None = None
+        super().__init__(f"omni-sync-adapter-{config.agent.peer_id}", "SyncTransferAdapter", use_uvloop)
+
+    # -- lifecycle (caller's thread) ------------------------------------------------------------
+    def start(self) -> None:
+        async def start_service() -> None:
+            service = ConnectorService(self.config)
+            self.service = service
+            await service.start()
+            self.receiver = service.adapter(self.stage, source=self.source)
+
+        self.run(start_service(), _START_TIMEOUT_S, "starting the service")
+
+    def shutdown(self, timeout: float) -> None:
+        """Close the service (draining saves), stop the loop and join its thread.  Idempotent."""
+        with self.lock:
+            self.closed = True
+        if threading.current_thread() is self.thread:
+            self.loop.create_task(self._close_and_stop())  # collected on its own thread: cannot wait
+            return
+        if self.thread.is_alive() and not self.loop.is_closed():
+            if self.service is not None:
+                try:
+                    self.run(self.service.close(), timeout, "closing the service")
+                except Exception:
+                    log.exception("closing the service of %s failed", self.config.agent.peer_id)
+            with suppress(RuntimeError):  # the loop closed meanwhile
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                log.warning("event-loop thread of %s did not stop within %.1fs", self.config.agent.peer_id, timeout)
+
+    async def _close_and_stop(self) -> None:
+        try:
+            if self.service is not None:
+                await self.service.close()
+        finally:
+            self.loop.stop()
+
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Hand ``fn(*args)`` to the loop without waiting (call order is kept)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed concurrently
+            raise ClosedError("adapter is closed") from None
+
+    # -- on the loop ---------------------------------------------------------------------------
+    def outgoing(self) -> TransferAdapter:
+        """The sending adapter, created on first use for the destination known by then."""
+        if self.sender is None:
+            assert self.service is not None
+            with self.lock:
+                destination = self.destination
+            if destination is None:
+                raise ValueError("no destination: pass destination= or call connect() first")
+            self.sender = self.service.adapter(self.stage, peer_id=destination)
+        return self.sender
+
+    def incoming(self) -> TransferAdapter:
+        assert self.receiver is not None
+        return self.receiver
+
+    async def connect(self, address: str) -> str:
+        assert self.service is not None
+        peer = await self.service.agent.connect(address)
+        with self.lock:
+            if self.destination is None:
+                self.destination = peer
+        return peer
+
+    def submit_save(self, request_id: str, chunk: Payload, final: bool) -> None:
+        with self.lock:
+            book = self.saves.setdefault(request_id, _SaveBook())
+            book.pending += 1
+            book.final = book.final or final
+        try:
+            future = self.outgoing().save_async(request_id, chunk, final=final)
+        except (OmniAsyncError, ValueError, TypeError) as exc:
+            self.on_saved(request_id, exc)
+            return
+        future.add_done_callback(lambda f: self.on_saved(request_id, _outcome(f)))
+
+    def on_saved(self, request_id: str, error: BaseException | None) -> None:
+        with self.lock:
+            book = self.saves.get(request_id)
+            if book is None:  # cleaned up meanwhile
+                return
+            book.pending -= 1
+            if error is not None and not book.failed:
+                book.failed = True
+                self.failed_send[request_id] = _reason(error)
+            if book.pending == 0 and book.final:  # a failed request stays (quiet) until final or cleanup
+                del self.saves[request_id]
+                if not book.failed:
+                    self.finished.add(request_id)
+
+    def submit_load(self, request_id: str) -> None:
+        try:
+            future = self.incoming().load_async(request_id)
+        except OmniAsyncError as exc:
+            self.on_loaded(request_id, None, exc)
+            return
+        future.add_done_callback(
+            lambda f: self.on_loaded(request_id, None if f.cancelled() or f.exception() else f.result(), _outcome(f))
+        )
+
+    def on_loaded(self, request_id: str, chunk: Chunk | None, error: BaseException | None) -> None:
+        with self.lock:
+            if error is not None:
+                self.failed_recv.setdefault(request_id, _reason(error))
+            elif chunk is not None:
+                self.loaded.setdefault(request_id, deque()).append(chunk)
+                self.finished.add(request_id)
+
+    def forget(self, request_id: str, *, cancel: bool) -> None:
+        """Drop the request from the books and from the adapters (``cancel``: tell the receiver)."""
+        with self.lock:
+            self.saves.pop(request_id, None)
+            self.loaded.pop(request_id, None)
+            self.finished.discard(request_id)
+            self.failed_send.pop(request_id, None)
+            self.failed_recv.pop(request_id, None)
+        if self.sender is not None:
+            if cancel:
+                self.sender.cancel(request_id)
+            else:
+                self.sender.cleanup(request_id)
+        if self.receiver is not None:
+            self.receiver.cleanup(request_id)
+
+
+def _outcome(future: asyncio.Future[Any]) -> BaseException | None:
+    if future.cancelled():
+        return TransferCancelled("cancelled")
+    return future.exception()
+
+
+class SyncTransferAdapter:
+    """The seed ``OmniTransferAdapterBase`` contract, synchronous, over a :class:`TransferAdapter`.
+
+    One :class:`~omni_async.service.ConnectorService` (built from ``config``: a
+    :class:`ServiceConfig` or a mapping of its sections) runs on an event loop owned by this
+    object, in a daemon thread.  Chunks of ``stage`` go to ``destination`` (an agent peer id;
+    if None, the first peer reached with :meth:`connect`) and come from ``source`` (the peer
+    whose loss fails waiting loads at once; None: any peer, bounded by ``stall_timeout``).
+
+    Two ways to use it, per request:
+
+    * **seed style**: :meth:`save_async` / :meth:`load_async` return at once; a scheduler thread
+      drains :meth:`get_finished_requests`, :meth:`collect_failed_send_request_ids` and
+      :meth:`collect_failed_receive_request_ids`, and takes loaded chunks with :meth:`get_loaded`;
+    * **blocking**: :meth:`save` / :meth:`load` wait and return (or raise the typed error); they
+      never appear in the books.
+
+    Threading: every method may be called from any thread except the adapter's loop thread.
+    The constructor blocks until the service listens; use as a context manager or call
+    :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        config: ServiceConfig | Mapping[str, Any] | None = None,
+        *,
+        stage: str = "chunks",
+        destination: str | None = None,
+        source: str | None = None,
+        use_uvloop: bool = True,
+    ) -> None:
+        if not isinstance(config, ServiceConfig):
+            config = load_config(dict(config or {}), schema=ServiceConfig)
+        if ":" in stage:
+            raise ValueError("a stage name must not contain ':'")
+        agent = msgspec.structs.replace(config.agent, peer_id=config.agent.resolved_peer_id())
+        config = msgspec.structs.replace(config, agent=agent)
+        self._config = config
+        engine = _AdapterEngine(config, stage, destination, source, use_uvloop)
+        self._engine = engine
+        self._finalizer = weakref.finalize(
+            self, engine.shutdown, config.adapter.drain_timeout + _SHUTDOWN_MARGIN_S
+        )
+        try:
+            engine.start()
+        except BaseException:
+            self._finalizer()
+            raise
+        assert engine.service is not None
+        self._address = engine.service.control_address
+
+    def __repr__(self) -> str:
+        state = "closed" if self._engine.closed else f"at {self._address}"
+        return f"<SyncTransferAdapter {self.peer_id!r} stage={self.stage!r} {state}>"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # -- extras: identity and peers ----------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        """This side's agent id (what a peer's ``destination`` / ``source`` names)."""
+        return self._config.agent.peer_id
+
+    @property
+    def stage(self) -> str:
+        return self._engine.stage
+
+    @property
+    def control_address(self) -> str:
+        """``tcp://host:port`` (with ``?key=`` under CURVE) that a peer passes to :meth:`connect`."""
+        return self._address
+
+    @property
+    def destination(self) -> str | None:
+        """Where saved chunks go (None until given or set by the first :meth:`connect`)."""
+        with self._engine.lock:
+            return self._engine.destination
+
+    @property
+    def service(self) -> ConnectorService:
+        """The underlying service.  Touch it only on :attr:`loop` (e.g. ``run_coroutine_threadsafe``)."""
+        assert self._engine.service is not None
+        return self._engine.service
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the service runs on, in this adapter's daemon thread."""
+        return self._engine.loop
+
+    def connect(self, address: str, timeout: float | None = None) -> str:
+        """Handshake with the service at ``address``; return its peer id.  Blocks (bounded).
+
+        The first peer connected becomes the :attr:`destination` if none was given.  Raises what
+        :meth:`Agent.connect` raises (:class:`HandshakeTimeout`, :class:`HandshakeRejected`...).
+        """
+        self._check_open()
+        budget = timeout if timeout is not None else 4 * self._config.agent.handshake_timeout + 1.0
+        engine = self._engine
+        what = f"connecting to {address}"
+        return self._wait(_bounded(engine.connect(address), budget, what), budget + 1.0, what)
+
+    def wait_for_peer(self, peer_id: str | None = None, timeout: float = 30.0) -> str:
+        """Block until ``peer_id`` (None: any peer) has joined; return its id.
+
+        Raises :class:`DeadlineExceeded` after ``timeout`` s."""
+        self._check_open()
+        service = self.service
+        what = f"waiting for peer {peer_id!r}" if peer_id else "waiting for a peer"
+        return self._wait(_bounded(service.agent.wait_for_peer(peer_id), timeout, what), timeout + 1.0, what)
+
+    # -- the seed's methods ------------------------------------------------------------------
+    def save_async(self, request_id: str, chunk: Mapping[str, Any], final: bool = False) -> None:
+        """Queue ``chunk`` as the request's next chunk; never blocks.
+
+        Chunks of one request travel in call order.  The request shows in
+        :meth:`get_finished_requests` once its ``final`` chunk and every chunk before it were
+        acknowledged by the receiver, or in :meth:`collect_failed_send_request_ids` (once, with
+        the first reason) if any of them failed.  The chunk's arrays are borrowed until then.
+        Raises :class:`ClosedError` after :meth:`shutdown`, ``ValueError`` with no destination,
+        ``TypeError`` if ``chunk`` is not a mapping.
+        """
+        self._check_save(request_id, chunk)
+        self._engine.post(self._engine.submit_save, request_id, chunk, bool(final))
+
+    def save(self, request_id: str, chunk: Mapping[str, Any], final: bool = False,
+             timeout: float | None = None) -> None:
+        """Send ``chunk`` and block until the receiver acknowledged it; raise the failure.
+
+        ``timeout`` (None: the agent's ``transfer_timeout`` bounds it) raises
+        :class:`DeadlineExceeded`; the chunk may still arrive afterwards.  Not reported in the books.
+        """
+        self._check_save(request_id, chunk)
+        engine = self._engine
+
+        async def save_one() -> None:
+            await engine.outgoing().save(request_id, chunk, final=final)  # type: ignore[arg-type]
+
+        what = f"saving a chunk of {request_id!r}"
+        self._wait(_bounded(save_one(), timeout, what), None, what)
+
+    def load_async(self, request_id: str) -> None:
+        """Ask for the request's next chunk (each call one more, in order); never blocks.
+
+        When it arrives the request shows in :meth:`get_finished_requests` and the chunk waits in
+        :meth:`get_loaded`; if it cannot (``stall_timeout`` passed, source lost, sender
+        cancelled, invalid payload) the request shows in :meth:`collect_failed_receive_request_ids`.
+        """
+        self._check_open()
+        self._engine.post(self._engine.submit_load, request_id)
+
+    def load(self, request_id: str, timeout: float | None = None) -> Chunk:
+        """Block for the request's next chunk and return it; raise the failure.
+
+        ``timeout`` (None: the adapter's ``stall_timeout`` bounds it) raises
+        :class:`DeadlineExceeded` and withdraws the wait: a later load asks for the same chunk.
+        Not reported in the books.
+        """
+        self._check_open()
+        engine = self._engine
+
+        async def load_one() -> Chunk:
+            return await engine.incoming().load_async(request_id)
+
+        what = f"loading a chunk of {request_id!r}"
+        return self._wait(_bounded(load_one(), timeout, what), None, what)
+
+    def get_loaded(self, request_id: str) -> Chunk | None:
+        """Take the oldest chunk that :meth:`load_async` brought in for the request, or None."""
+        with self._engine.lock:
+            ready = self._engine.loaded.get(request_id)
+            if not ready:
+                return None
+            chunk = ready.popleft()
+            if not ready:
+                del self._engine.loaded[request_id]
+            return chunk
+
+    def get_finished_requests(self) -> set[str]:
+        """Drain and return ids finished since the last call: saved (final chunk acknowledged)
+        or loaded (a chunk asked for with :meth:`load_async` is ready in :meth:`get_loaded`)."""
+        with self._engine.lock:
+            finished, self._engine.finished = self._engine.finished, set()
+        return finished
+
+    def collect_failed_send_request_ids(self) -> dict[str, str]:
+        """Drain and return the requests whose send gave up: ``{request_id: reason}``."""
+        with self._engine.lock:
+            failed, self._engine.failed_send = self._engine.failed_send, {}
+        return failed
+
+    def collect_failed_receive_request_ids(self) -> dict[str, str]:
+        """Drain and return the requests whose receive failed: ``{request_id: reason}``."""
+        with self._engine.lock:
+            failed, self._engine.failed_recv = self._engine.failed_recv, {}
+        return failed
+
+    def record_send_failure(self, request_id: str | None, reason: str) -> None:
+        """Note that a chunk of ``request_id`` will never be delivered (None is ignored)."""
+        if request_id is not None:
+            with self._engine.lock:
+                self._engine.failed_send.setdefault(request_id, reason)
+
+    def record_receive_failure(self, request_id: str, reason: str) -> None:
+        """Record an invalid received chunk that cannot be retried."""
+        with self._engine.lock:
+            self._engine.failed_recv.setdefault(request_id, reason)
+
+    def cleanup(self, request_id: str) -> None:
+        """Forget the request here: books, buffered and waited-for chunks (late ones are refused).
+
+        Non-blocking and idempotent."""
+        self._check_open()
+        self._engine.post(partial(self._engine.forget, request_id, cancel=False))
+
+    def cancel(self, request_id: str) -> None:
+        """:meth:`cleanup`, and if this side was sending the request, the receiver's waits fail
+        with :class:`TransferCancelled`.  Non-blocking and idempotent."""
+        self._check_open()
+        self._engine.post(partial(self._engine.forget, request_id, cancel=True))
+
+    def shutdown(self) -> None:
+        """Drain queued saves (up to ``adapter.drain_timeout``), fail the rest, close the service
+        and join the loop thread.  Idempotent; afterwards the other methods raise :class:`ClosedError`."""
+        self._engine.check_caller()
+        self._finalizer()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _wait(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
+        """Run ``coro`` on the loop and return its result or raise its own error unchanged.
+
+        (``_LoopThread.run`` would read a ``TimeoutError`` subclass raised by ``coro``, such as
+        :class:`DeadlineExceeded`, as its own wait timing out; boxing the outcome avoids that.)
+        """
+        ok, value = self._engine.run(_boxed(coro), timeout, what)
+        if not ok:
+            raise value
+        return value
+
+    def _check_open(self) -> None:
+        if self._engine.closed:
+            raise ClosedError("adapter is closed")
+
+    def _check_save(self, request_id: str, chunk: Mapping[str, Any]) -> None:
+        self._check_open()
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not isinstance(chunk, Mapping):
+            raise TypeError(f"chunk must be a mapping of str to payload values, got {type(chunk).__name__}")
+        if self.destination is None:
+            raise ValueError("no destination: pass destination= or call connect() first")
+
+
+async def _boxed(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:
+    """``(True, result)`` or ``(False, exception)``; cancellation still propagates."""
+    try:
+        return True, await coro
+    except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        return False, exc
+
+
+async def _bounded(coro: Coroutine[Any, Any, T], timeout: float | None, what: str = "the operation") -> T:
+    """``coro`` under ``timeout`` s (None: unbounded here), :class:`DeadlineExceeded` past it."""
+    if timeout is None:
+        return await coro
+    try:
+        return await asyncio.wait_for(coro, timeout)
+    except TimeoutError:
+        raise DeadlineExceeded(f"{what} did not finish within {timeout}s") from None

@@ -206,12 +206,16 @@ def validate_message(hdr: MessageHeader, max_bytes: int) -> int:
 # -- UCX tags --------------------------------------------------------------------------------
 # Each peer has its own UCX worker (a lane), so tags only need to tell headers from payload
 # messages: kind in the top 4 bits, a 60-bit sequence number below.
+KIND_MASK: Final = 0xF << 60
+"""Tag mask that selects the kind bits."""
+FULL_MASK: Final = (1 << 64) - 1
 HEADER_TAG: Final = 1 << 60
 """Tag of every data-plane header."""
-_DATA_KIND: Final = 2 << 60
-_SEQ_MASK: Final = (1 << 60) - 1
+DATA_KIND: Final = 2 << 60
+"""Kind bits of payload messages (match with :data:`KIND_MASK`)."""
+SEQ_MASK: Final = (1 << 60) - 1
 
 
 def data_tag(seq: int) -> int:
     """Tag of payload message number ``seq`` on a lane."""
-    return _DATA_KIND | (seq & _SEQ_MASK)
+    return DATA_KIND | (seq & SEQ_MASK)

@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 Completion = Callable[[BaseException | None], None]
 """Called once when a posted request ends: ``None`` on success, else the error."""
-Arrival = Callable[[int, Any], None]
-"""``on_arrival(length, message)``: a message arrived that nobody had posted a receive for."""
+Arrival = Callable[[int, int, Any], None]
+"""``on_arrival(tag, length, message)``: a message arrived that nobody posted a receive for."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
@@ -70,12 +70,12 @@ class Lane:
         self._fd: int = self._worker.epoll_file_descriptor
         self._endpoint: Any = None
         self._pending: list[tuple[Any, Completion, object]] = []
-        self._arrival_tag: Any = None
-        self._on_arrival: Arrival | None = None
+        self._watches: list[tuple[Any, Any, Arrival]] = []
         self._drive_scheduled = False
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
+        self._orphans: list[tuple[Any, Completion, object]] = []
         self._close_deadline = 0.0
         self._released: asyncio.Future[None] = loop.create_future()
         self.wakeups = 0
@@ -125,26 +125,14 @@ class Lane:
         request = self._endpoint.tag_send(Array(buffer), ucx_api.UCXXTag(tag))
         self._track(request, done, buffer)
 
-    def recv(self, buffer: Any, tag: int, done: Completion) -> None:
-        """Post a tagged receive straight into ``buffer`` (borrowed until ``done`` runs).
+    def watch(self, tag: int, mask: int, on_arrival: Arrival) -> None:
+        """Hand every message whose tag matches ``tag`` under ``mask`` to ``on_arrival``.
 
-        UCX does not check receive buffers; callers pass writeable C-contiguous byte views.
-        On a closed lane ``done`` runs at once with the reason it was closed.
+        Nothing stays posted for such messages, so closing the lane never leaves a UCX request
+        behind (a posted receive would keep the worker alive after close).  ``on_arrival``
+        must take each message with :meth:`recv_arrived`.
         """
-        if self._closed:
-            done(self._close_reason)
-            return
-        request = self._endpoint.tag_recv(Array(buffer), ucx_api.UCXXTag(tag))
-        self._track(request, done, buffer)
-
-    def watch(self, tag: int, on_arrival: Arrival) -> None:
-        """Hand every message with ``tag`` to ``on_arrival(length, message)`` as it arrives.
-
-        No receive stays posted for such messages (a posted receive would keep the worker
-        alive after close); ``on_arrival`` must take each one with :meth:`recv_arrived`.
-        """
-        self._arrival_tag = ucx_api.UCXXTag(tag)
-        self._on_arrival = on_arrival
+        self._watches.append((ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), on_arrival))
         self._schedule_drive()
 
     def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
@@ -152,7 +140,8 @@ class Lane:
         if self._closed:
             done(self._close_reason)
             return
-        self._track(self._worker.tag_recv_with_handle(Array(buffer), message), done, buffer)
+        # The probe result owns the UCX message handle: keep it alive with the buffer.
+        self._track(self._worker.tag_recv_with_handle(Array(buffer), message), done, (buffer, message))
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
@@ -178,7 +167,7 @@ class Lane:
                 pass
             if self._pending:
                 self._reap()
-            if self._on_arrival is not None and not self._closed:
+            if self._watches and not self._closed:
                 self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
@@ -189,12 +178,12 @@ class Lane:
         self._schedule_drive()
 
     def _take_arrivals(self) -> None:
-        assert self._on_arrival is not None
-        while not self._closed:
-            message = self._worker.tag_probe(self._arrival_tag, remove=True)
-            if not message.matched:
-                return
-            self._on_arrival(message.length, message)
+        for tag, mask, on_arrival in self._watches:
+            while not self._closed:
+                message = self._worker.tag_probe(tag, mask, remove=True)
+                if not message.matched:
+                    break
+                on_arrival(message.sender_tag.value, message.length, message)
 
     def _reap(self) -> None:
         finished: list[tuple[Any, Completion, object]] = []
@@ -210,8 +199,9 @@ class Lane:
     def close(self, reason: BaseException | None = None) -> None:
         """Fail every pending request with ``reason``, then close the endpoint in the background.
 
-        Idempotent and never blocks.  From now on no completion runs and UCX writes into no
-        borrowed buffer.  The endpoint close is a UCX flush-close that completes within
+        Idempotent and never blocks.  From now on no completion runs; borrowed buffers stay
+        referenced until the lane is released (UCX may still fill a posted receive while the
+        close is progressed).  The endpoint close is a UCX flush-close that completes within
         milliseconds even towards a dead peer, but only while the worker is progressed: the
         lane progresses it every few milliseconds (for at most ``_CLOSE_GRACE`` seconds), then
         releases the worker.  Await :meth:`wait_closed` to know it is released.
@@ -225,6 +215,9 @@ class Lane:
             self._close_reason = reason
         self._loop.remove_reader(self._fd)
         pending, self._pending = self._pending, []
+        # UCX may still complete these requests while the close is progressed: their buffers
+        # stay referenced until the lane is released, or UCX would write into freed memory.
+        self._orphans = pending
         for _request, done, _ in pending:
             done(self._close_reason)
         if self._endpoint is None:
@@ -264,6 +257,9 @@ class Lane:
     def _release(self) -> None:
         self._endpoint = None
         self._worker = None
+        # Requests still pending here are never progressed again, so their buffers are safe
+        # to free; a request UCX still holds keeps the worker alive (logged above).
+        self._orphans = []
         if not self._released.done():
             self._released.set_result(None)
 

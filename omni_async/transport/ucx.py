@@ -51,7 +51,11 @@ from ..handshake import PeerInfo
 from ..metrics import Kind, Metrics
 from ..region import BlockRegion, plan_runs
 from ..wire import (
+    DATA_KIND,
+    FULL_MASK,
     HEADER_TAG,
+    KIND_MASK,
+    SEQ_MASK,
     MAX_HEADER_BYTES,
     Ack,
     DataHeader,
@@ -63,11 +67,14 @@ from ..wire import (
     validate_message,
     validate_write,
 )
-from .lane import Lane, new_context
+from .lane import Completion, Lane, new_context
 from .vetting import shared_vetter
 from .transfer import CancelMode, Transfer
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY = 4096
+"""Payload messages a lane may hold for headers it has not handled yet."""
 
 Frames = list[npt.NDArray[np.uint8]]
 MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
@@ -109,6 +116,10 @@ class _Link:
     peer: PeerInfo
     lane: Lane
     next_seq: int = 0
+    expected: dict[int, tuple[npt.NDArray[np.uint8], Completion]] = field(default_factory=dict)
+    """Payload messages announced by a header and not arrived yet: seq -> (buffer, done)."""
+    early: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    """Payload messages that arrived before their header was handled: seq -> (length, message)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
 
@@ -180,7 +191,8 @@ class UcxTransport:
             raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
         link = _Link(peer, lane)
         self._links[peer.peer_id] = link
-        lane.watch(HEADER_TAG, partial(self._header_arrived, link))
+        lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
+        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -325,12 +337,42 @@ class UcxTransport:
         return False
 
     # -- receiving -------------------------------------------------------------------------
-    def _header_arrived(self, link: _Link, length: int, message: Any) -> None:
+    def _header_arrived(self, link: _Link, _tag: int, length: int, message: Any) -> None:
         if length > MAX_HEADER_BYTES:
             self._fault(link.peer.peer_id, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
             return
         buffer = np.empty(length, np.uint8)
         link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
+
+    def _data_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
+        seq = tag & SEQ_MASK
+        entry = link.expected.pop(seq, None)
+        if entry is None:
+            if len(link.early) >= MAX_EARLY:
+                self._fault(link.peer.peer_id, ProtocolError(f"over {MAX_EARLY} payload messages without a header"))
+            else:
+                link.early[seq] = (length, message)
+            return
+        self._take_payload(link, seq, length, message, *entry)
+
+    def _expect(self, link: _Link, seq: int, buffer: npt.NDArray[np.uint8], done: Completion) -> None:
+        """Receive payload message ``seq`` into ``buffer`` when it arrives (or now, if it has)."""
+        early = link.early.pop(seq, None)
+        if early is None:
+            link.expected[seq] = (buffer, done)
+        else:
+            self._take_payload(link, seq, early[0], early[1], buffer, done)
+
+    def _take_payload(
+        self, link: _Link, seq: int, length: int, message: Any, buffer: npt.NDArray[np.uint8], done: Completion
+    ) -> None:
+        if length != buffer.nbytes:
+            self._fault(
+                link.peer.peer_id,
+                ProtocolError(f"payload message {seq} has {length} bytes, its header announced {buffer.nbytes}"),
+            )
+            return
+        link.lane.recv_arrived(buffer, message, done)
 
     def _on_header(self, link: _Link, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
         if error is not None:
@@ -352,7 +394,7 @@ class UcxTransport:
         self._settle(link, ack.transfer_id, error)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
-        lane, array = link.lane, self.region.array
+        array = self.region.array
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
@@ -361,7 +403,7 @@ class UcxTransport:
         finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
         inbound = _Inbound(len(req.runs), finish)
         for i, (start, count) in enumerate(req.runs):
-            lane.recv(array[start : start + count], data_tag(req.seq + i), inbound.part_done)
+            self._expect(link, req.seq + i, array[start : start + count].reshape(-1), inbound.part_done)
 
     def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
         """Receive a refused write's payload into scratch memory, then send the refusal."""
@@ -373,7 +415,7 @@ class UcxTransport:
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
         inbound = _Inbound(len(req.runs), lambda _error: self._answer(link, req.transfer_id, "blocks", 0, reason))
         for i, (_, count) in enumerate(req.runs):
-            link.lane.recv(np.empty(count * block_len, np.uint8), data_tag(req.seq + i), inbound.part_done)
+            self._expect(link, req.seq + i, np.empty(count * block_len, np.uint8), inbound.part_done)
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
         try:
@@ -389,7 +431,7 @@ class UcxTransport:
             return
         inbound = _Inbound(len(receiving), deliver)
         for i, frame in receiving:
-            link.lane.recv(frame, data_tag(hdr.seq + i), inbound.part_done)
+            self._expect(link, hdr.seq + i, frame, inbound.part_done)
 
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
