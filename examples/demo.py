@@ -19,13 +19,17 @@ TIMEOUT = 120
 
 def main() -> int:
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
-    receiver = subprocess.Popen([sys.executable, os.path.join(HERE, "receiver.py")], stdout=subprocess.PIPE, text=True, env=env)
+    receiver = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "receiver.py")], stdout=subprocess.PIPE, text=True, env=env
+    )
     sender = None
     try:
         assert receiver.stdout is not None
         address = json.loads(receiver.stdout.readline())["address"]
         print(f"receiver listening on {address}", flush=True)
-        sender = subprocess.Popen([sys.executable, os.path.join(HERE, "sender.py"), address], stdout=subprocess.PIPE, text=True, env=env)
+        sender = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "sender.py"), address], stdout=subprocess.PIPE, text=True, env=env
+        )
         sent, _ = sender.communicate(timeout=TIMEOUT)
         out, _ = receiver.communicate(timeout=TIMEOUT)
         summary = json.loads(out.strip().splitlines()[-1])

@@ -15,17 +15,19 @@ import sys
 import time
 
 import numpy as np
+import workload as wl
 
 from omni_async.config import ServiceConfig, load_config
 from omni_async.eventloop import run
 from omni_async.service import ConnectorService
 
-import workload as wl
-
 
 async def main(port: int) -> int:
     config = load_config(
-        {"agent": {"peer_id": "talker", "port": port}, "region": {"num_blocks": wl.NUM_BLOCKS, "block_len": wl.BLOCK_LEN}},
+        {
+            "agent": {"peer_id": "talker", "port": port},
+            "region": {"num_blocks": wl.NUM_BLOCKS, "block_len": wl.BLOCK_LEN},
+        },
         schema=ServiceConfig,
     )
     async with ConnectorService(config) as svc:
@@ -51,7 +53,8 @@ async def main(port: int) -> int:
         blocks = await svc.connector.get("demo:blocks", timeout=60, source=sender)
         remote = blocks["remote"]
         bad_blocks = sum(
-            not np.array_equal(svc.region.array[r], wl.block_pattern(l)) for l, r in zip(blocks["local"], remote)
+            not np.array_equal(svc.region.array[dst], wl.block_pattern(src))
+            for src, dst in zip(blocks["local"], remote, strict=True)
         )
         untouched = sorted(set(range(wl.NUM_BLOCKS)) - set(remote))
         bad_blocks += int(svc.region.array[untouched].any())

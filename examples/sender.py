@@ -15,12 +15,11 @@ import sys
 import time
 
 import numpy as np
+import workload as wl
 
 from omni_async.config import ServiceConfig, load_config
 from omni_async.eventloop import run
 from omni_async.service import ConnectorService
-
-import workload as wl
 
 
 async def main(address: str) -> int:
@@ -37,7 +36,8 @@ async def main(address: str) -> int:
         local = rng.permutation(wl.NUM_BLOCKS)[:192].tolist()
         remote = rng.permutation(wl.NUM_BLOCKS)[:192].tolist()
         started = time.perf_counter()
-        await asyncio.gather(*(svc.agent.write_blocks(receiver, local[i : i + 64], remote[i : i + 64]) for i in range(0, 192, 64)))
+        writes = [svc.agent.write_blocks(receiver, local[i : i + 64], remote[i : i + 64]) for i in range(0, 192, 64)]
+        await asyncio.gather(*writes)
         block_seconds = time.perf_counter() - started
         gbps = round(192 * wl.BLOCK_LEN / block_seconds / 1e9, 2)
         adapter = svc.adapter(wl.STAGE, peer_id=receiver)

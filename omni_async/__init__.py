@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
-    "AlreadyConnected",
     "AgentConfig",
+    "AlreadyConnected",
     "BlockRegion",
     "ClosedError",
     "ConfigError",

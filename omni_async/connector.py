@@ -113,12 +113,12 @@ def create_connector(spec: ConnectorSpec | dict[str, Any], agent: Agent) -> Conn
     factory = _REGISTRY.get(spec.name)
     if factory is None:
         raise ConfigError(f"unknown connector {spec.name!r}; registered: {sorted(_REGISTRY)}")
-    cls: Any = factory
+    options_type: type[msgspec.Struct] = getattr(factory, "Options", msgspec.Struct)
     try:
-        options = msgspec.convert(spec.extra, cls.Options, strict=False)
+        options = msgspec.convert(spec.extra, options_type, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid options for connector {spec.name!r}: {exc}") from None
-    return cls(agent, options)
+    return factory(agent, options)
 
 
 class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -258,7 +258,7 @@ class UcxConnector(Connector):
     def _on_peer(self, event: PeerEvent) -> None:
         if event.kind != "left":
             return
-        for key, (future, source) in list(self._waiters.items()):
+        for future, source in list(self._waiters.values()):
             if source == event.peer_id and not future.done():
                 future.set_exception(event.error or ClosedError(f"peer {event.peer_id!r} left"))
 

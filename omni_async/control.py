@@ -244,7 +244,7 @@ class ControlPlane:
         elif isinstance(msg, Bye):
             if peer_id is not None:
                 self._lose(peer_id, PeerLost(f"peer {peer_id!r} left: {msg.reason}"), orderly=True)
-        elif isinstance(msg, Welcome) or isinstance(msg, Reject):
+        elif isinstance(msg, Welcome | Reject):
             self._bad_input(ident, ProtocolError(f"unexpected {type(msg).__name__} on the listener"))
         elif isinstance(msg, Hello):
             # Admission awaits the owner (address vetting); the loop keeps reading meanwhile.

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, VersionMismatch, error_from_code
 from .region import fingerprints_compatible
 from .wire import PROTOCOL_VERSION, Hello, Reject, Welcome
+
+
+H = TypeVar("H", bound=Hello)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,22 +35,22 @@ class LocalIdentity:
             object.__setattr__(self, "nonce", secrets.randbits(63) or 1)
 
     def hello(self, agent_metadata: bytes) -> Hello:
-        return Hello(**self._fields(agent_metadata))
+        return self._describe(Hello, agent_metadata)
 
     def welcome(self, agent_metadata: bytes) -> Welcome:
-        return Welcome(**self._fields(agent_metadata))
+        return self._describe(Welcome, agent_metadata)
 
-    def _fields(self, agent_metadata: bytes) -> dict[str, object]:
-        return {
-            "version": PROTOCOL_VERSION,
-            "peer_id": self.peer_id,
-            "nonce": self.nonce,
-            "agent_metadata": agent_metadata,
-            "base_addr": self.base_addr,
-            "num_blocks": self.num_blocks,
-            "block_len": self.block_len,
-            "fingerprint": self.fingerprint,
-        }
+    def _describe(self, kind: type[H], agent_metadata: bytes) -> H:
+        return kind(
+            version=PROTOCOL_VERSION,
+            peer_id=self.peer_id,
+            nonce=self.nonce,
+            agent_metadata=agent_metadata,
+            base_addr=self.base_addr,
+            num_blocks=self.num_blocks,
+            block_len=self.block_len,
+            fingerprint=self.fingerprint,
+        )
 
 
 @dataclass(frozen=True, slots=True)

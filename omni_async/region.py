@@ -109,19 +109,21 @@ class BlockRegion:
 
     def block(self, index: int) -> npt.NDArray[np.uint8]:
         """Zero-copy view of one block."""
-        return self._array[index]
+        row: npt.NDArray[np.uint8] = self._array[index]
+        return row
 
     def blocks(self, start: int, count: int) -> npt.NDArray[np.uint8]:
         """Zero-copy contiguous view of ``count`` blocks from ``start`` (a 1-D byte array)."""
-        return self._array[start : start + count].reshape(-1)
+        view: npt.NDArray[np.uint8] = self._array[start : start + count].reshape(-1)
+        return view
 
 
 class Run(NamedTuple):
-    """``count`` consecutive blocks from ``local`` written to ``count`` consecutive at ``remote``."""
+    """``length`` consecutive blocks from ``local`` written to as many consecutive at ``remote``."""
 
     local: int
     remote: int
-    count: int
+    length: int
 
 
 def plan_runs(
@@ -138,7 +140,7 @@ def plan_runs(
         )
     runs: list[Run] = []
     start_l = start_r = count = 0
-    for li, ri in zip(local_idxs, remote_idxs):
+    for li, ri in zip(local_idxs, remote_idxs, strict=True):
         if type(li) is not int or type(ri) is not int:
             li, ri = _as_index(li, "local"), _as_index(ri, "remote")
         if not 0 <= li < local_blocks:

@@ -112,7 +112,7 @@ def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, 
         raise ProtocolError(f"invalid payload header: {exc}") from None
     if len(decoded.arrays) != len(frames):
         raise ProtocolError(f"payload header names {len(decoded.arrays)} frames, {len(frames)} arrived")
-    values = [_decode_frame(spec, frame) for spec, frame in zip(decoded.arrays, frames)]
+    values = [_decode_frame(spec, frame) for spec, frame in zip(decoded.arrays, frames, strict=True)]
     if not isinstance(decoded.tree, dict):
         raise ProtocolError("a payload must be a mapping at the top")
     budget = [MAX_NODES]
@@ -122,7 +122,7 @@ def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, 
 
 
 class _Ref:
-    __slots__ = ("kind", "index")
+    __slots__ = ("index", "kind")
 
     def __init__(self, kind: int, index: int) -> None:
         self.kind = kind

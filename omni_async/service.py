@@ -24,7 +24,9 @@ class ConnectorService:
     from ``config.region``.
     """
 
-    def __init__(self, config: ServiceConfig | dict[str, Any] | None = None, *, region: BlockRegion | None = None) -> None:
+    def __init__(
+        self, config: ServiceConfig | dict[str, Any] | None = None, *, region: BlockRegion | None = None
+    ) -> None:
         if config is None or isinstance(config, dict):
             config = load_config(config, schema=ServiceConfig)
         self.config = config

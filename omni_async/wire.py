@@ -14,11 +14,13 @@ Every decoder accepts ``bytes`` and either returns a fully validated struct or r
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Final, TypeAlias
+from typing import Annotated, Final, TypeAlias, TypeVar
 
 import msgspec
 
 from .errors import ProtocolError
+
+T = TypeVar("T")
 
 PROTOCOL_VERSION: Final = 1
 
@@ -52,7 +54,7 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
 
 
 # -- control plane (ZeroMQ) ------------------------------------------------------------------
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, tag="hello", frozen=True):
     """First message of a handshake; :class:`Welcome` is the same description of the other side.
 
     ``agent_metadata`` is the address of the UCX lane the sender opened for the receiver.
@@ -69,22 +71,22 @@ class Hello(_Msg, tag="hello"):
     fingerprint: Fingerprint
 
 
-class Welcome(Hello, tag="welcome"):
+class Welcome(Hello, tag="welcome", frozen=True):
     """Accepts a :class:`Hello`; describes the accepting side."""
 
 
-class Reject(_Msg, tag="reject"):
+class Reject(_Msg, tag="reject", frozen=True):
     """Refuses a :class:`Hello`; ``code`` names the error type (see :mod:`omni_async.errors`)."""
 
     code: Code
     reason: Reason
 
 
-class Heartbeat(_Msg, tag="hb"):
+class Heartbeat(_Msg, tag="hb", frozen=True):
     """Liveness signal, sent every heartbeat interval in both directions."""
 
 
-class Bye(_Msg, tag="bye"):
+class Bye(_Msg, tag="bye", frozen=True):
     """Orderly goodbye: the sender is closing and forgets the receiver."""
 
     reason: Reason = ""
@@ -94,7 +96,7 @@ ControlMessage: TypeAlias = Hello | Welcome | Reject | Heartbeat | Bye
 
 
 # -- data plane headers (UCX) ----------------------------------------------------------------
-class WriteRequest(_Msg, tag="w"):
+class WriteRequest(_Msg, tag="w", frozen=True):
     """A block write: ``runs`` are ``(remote_start, count)``; run ``i`` is tagged ``seq + i``."""
 
     transfer_id: NonNeg
@@ -102,7 +104,7 @@ class WriteRequest(_Msg, tag="w"):
     runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
 
 
-class MessageHeader(_Msg, tag="m"):
+class MessageHeader(_Msg, tag="m", frozen=True):
     """A chunk message: opaque ``meta`` plus frames of the given sizes, frame ``i`` tagged ``seq + i``."""
 
     transfer_id: NonNeg
@@ -112,7 +114,7 @@ class MessageHeader(_Msg, tag="m"):
     frames: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_FRAMES)]
 
 
-class Ack(_Msg, tag="a"):
+class Ack(_Msg, tag="a", frozen=True):
     """The receiver's verdict on one transfer: ``code == ""`` means the data is in place."""
 
     transfer_id: NonNeg
@@ -122,8 +124,8 @@ class Ack(_Msg, tag="a"):
 
 DataHeader: TypeAlias = WriteRequest | MessageHeader | Ack
 
-_control_decoder = msgspec.msgpack.Decoder(ControlMessage)
-_data_decoder = msgspec.msgpack.Decoder(DataHeader)
+_control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
+_data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)
 _encoder = msgspec.msgpack.Encoder()
 _LEN = struct.Struct("<I")
 
@@ -137,7 +139,7 @@ def decode_control(data: bytes) -> ControlMessage:
     """Decode and validate one control message; raise :class:`ProtocolError` on anything wrong."""
     if len(data) > MAX_CONTROL_BYTES:
         raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    msg = _decode(_control_decoder, data, "control message")
+    msg: ControlMessage = _decode(_control_decoder, data, "control message")
     if isinstance(msg, Hello):  # Welcome too; the version is checked by the handshake
         check_layout(msg.base_addr, msg.num_blocks, msg.block_len)
     return msg
@@ -167,10 +169,11 @@ def decode_header(buffer: bytes | bytearray | memoryview) -> DataHeader:
     (length,) = _LEN.unpack_from(view)
     if length > len(view) - _LEN.size:
         raise ProtocolError(f"header claims {length} bytes, buffer holds {len(view) - _LEN.size}")
-    return _decode(_data_decoder, view[_LEN.size : _LEN.size + length], "data header")
+    header: DataHeader = _decode(_data_decoder, view[_LEN.size : _LEN.size + length], "data header")
+    return header
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | memoryview, what: str):  # type: ignore[no-untyped-def]
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, what: str) -> T:
     try:
         return decoder.decode(data)
     except Exception as exc:  # a trust boundary: every failure becomes a ProtocolError

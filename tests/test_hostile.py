@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 import pytest
+import ucxx._lib.libucxx as ucx_api
 import zmq
 import zmq.asyncio
 
-import ucxx._lib.libucxx as ucx_api
 from omni_async.transport.lane import Lane, new_context
 from omni_async.wire import MAX_CONTROL_BYTES, Hello, Reject, Welcome, decode_control, encode_control
 

@@ -103,5 +103,5 @@ def test_plan_runs_covers_exactly(pairs):
     local = [p[0] for p in pairs]
     remote = [p[1] for p in pairs]
     runs = plan_runs(local, remote, 64, 32)
-    expanded = [(r.local + i, r.remote + i) for r in runs for i in range(r.count)]
+    expanded = [(r.local + i, r.remote + i) for r in runs for i in range(r.length)]
     assert expanded == pairs

@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_async import ProtocolError
-from omni_async import wire
+from omni_async import ProtocolError, wire
 from omni_async.wire import (
     Ack,
     Bye,
@@ -99,7 +98,7 @@ def test_validate_message_limit():
 
 
 def test_tags_are_distinct():
-    assert wire.HEADER_TAG != data_tag(0)
+    assert data_tag(0) != wire.HEADER_TAG
     assert data_tag(1) != data_tag(2)
     assert data_tag((1 << 60) + 5) == data_tag(5)
 

@@ -25,10 +25,10 @@ from typing import Any
 # takes effect if omni_async is imported before anything else loads UCX.
 os.environ.setdefault("UCX_LOG_FILE", "stderr")
 
-import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
+import ucxx._lib.libucxx as ucx_api
+from ucxx._lib.arr import Array
 
-from ..errors import PeerLost, ProtocolError  # noqa: E402
+from ..errors import PeerLost, ProtocolError
 
 # ucxx sets UCX_MEMTYPE_CACHE, which UCX >= 1.21 no longer knows and warns about.
 os.environ.pop("UCX_MEMTYPE_CACHE", None)

@@ -32,7 +32,7 @@ class Transfer:
     ``await transfer`` returns when the receiver acknowledged, or raises the failure.
     """
 
-    __slots__ = ("id", "peer_id", "nbytes", "_state", "_error", "_waiter", "_callbacks", "_on_cancel")
+    __slots__ = ("_callbacks", "_error", "_on_cancel", "_state", "_waiter", "id", "nbytes", "peer_id")
 
     def __init__(
         self,

@@ -55,8 +55,8 @@ from ..wire import (
     FULL_MASK,
     HEADER_TAG,
     KIND_MASK,
-    SEQ_MASK,
     MAX_HEADER_BYTES,
+    SEQ_MASK,
     Ack,
     DataHeader,
     MessageHeader,
@@ -68,8 +68,8 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
-from .vetting import shared_vetter
 from .transfer import CancelMode, Transfer
+from .vetting import shared_vetter
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
 class _Sent:
     """A transfer in flight: its deadline timer, kind and start time (for metrics)."""
 
-    __slots__ = ("transfer", "timer", "kind", "started")
+    __slots__ = ("kind", "started", "timer", "transfer")
 
     def __init__(self, transfer: Transfer, timer: asyncio.TimerHandle, kind: Kind, started: float) -> None:
         self.transfer = transfer
@@ -132,7 +132,7 @@ class _Link:
 class _Inbound:
     """Counts the payload receives of one incoming transfer; answers once all are done."""
 
-    __slots__ = ("remaining", "error", "finish")
+    __slots__ = ("error", "finish", "remaining")
 
     def __init__(self, remaining: int, finish: Callable[[BaseException | None], None]) -> None:
         self.remaining = remaining
@@ -248,13 +248,13 @@ class UcxTransport:
             transfer.set_done()
             return transfer
         seq = link.take_seq(len(runs))
-        header = WriteRequest(transfer.id, seq, [(run.remote, run.count) for run in runs])
+        header = WriteRequest(transfer.id, seq, [(run.remote, run.length) for run in runs])
         on_sent = partial(self._sent, link, transfer.id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
         array = self.region.array
         for i, run in enumerate(runs):
-            lane.send(array[run.local : run.local + run.count], data_tag(seq + i), on_sent)
+            lane.send(array[run.local : run.local + run.length], data_tag(seq + i), on_sent)
         return transfer
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
@@ -378,7 +378,7 @@ class UcxTransport:
         if error is not None:
             return  # the lane is closing; liveness is the control plane's job
         try:
-            header: DataHeader = decode_header(buffer)
+            header: DataHeader = decode_header(buffer.data)
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
             return

@@ -17,18 +17,20 @@ def main(tls: str, net_devices: str) -> None:
     # Replies go to a private copy of stdout; UCX may print to fd 1 and must not corrupt them.
     replies = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    from .lane import new_context
-
     import ucxx._lib.libucxx as ucx_api
 
-    worker = ucx_api.UCXWorker(new_context(tls, net_devices), enable_delayed_submission=False, enable_python_future=False)
+    from .lane import new_context
+
+    context = new_context(tls, net_devices)
+    worker = ucx_api.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
     length = struct.Struct("<I")
     requests = sys.stdin.buffer
     replies.write(b"\x01")
     while header := requests.read(length.size):
         address = requests.read(length.unpack(header)[0])
         try:
-            endpoint = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(address), False)
+            remote = ucx_api.UCXAddress.create_from_buffer(address)
+            endpoint = worker.create_endpoint_from_worker_address(remote, False)
             endpoint.close()  # non-blocking: never wait on the peer from here
             verdict = b"\x01"
         except Exception:

@@ -91,7 +91,7 @@ async def pump(agent: Agent, address: str) -> None:
     results = await asyncio.gather(*(writer() for _ in range(8)), return_exceptions=True)
     say({"failed": type(results[0]).__name__, "at": time.monotonic(), "kinds": sorted({type(r).__name__ for r in results})})
     loop = asyncio.get_running_loop()
-    while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() == "reconnect":
+    while (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "reconnect":
         peer = await agent.connect(address)
         await agent.write_blocks(peer, blocks, blocks)
         say({"reconnected": peer})
