@@ -157,7 +157,7 @@ class Agent:
 
     async def remove_peer(self, peer_id: str) -> bool:
         """Fail the peer's in-flight transfers, say goodbye and forget it; False if unknown."""
-        removed = self.transport.remove_peer(peer_id, PeerLost(f"peer {peer_id!r} removed"))
+        removed = self.transport.remove_peer(peer_id, PeerLost(f"peer {peer_id!r} removed"), orderly=True)
         await self._started_control().disconnect(peer_id, "removed")
         if removed:
             self._emit(PeerEvent("left", peer_id, PeerLost(f"peer {peer_id!r} removed")))
@@ -223,12 +223,13 @@ class Agent:
         self._emit(PeerEvent("joined", info.peer_id))
         return lane.address
 
-    def _lost(self, peer_id: str, error: OmniAsyncError) -> None:
-        if self.transport.remove_peer(peer_id, error):
+    def _lost(self, peer_id: str, error: OmniAsyncError, orderly: bool) -> None:
+        if self.transport.remove_peer(peer_id, error, orderly=orderly):
             self._emit(PeerEvent("left", peer_id, error))
 
     def _fault(self, peer_id: str, error: OmniAsyncError) -> None:
-        log.warning("dropping peer %s: %s", peer_id, error)
+        level = logging.INFO if isinstance(error, PeerLost) else logging.WARNING
+        log.log(level, "dropping peer %s: %s", peer_id, error)
         self.transport.remove_peer(peer_id, error)
         self._emit(PeerEvent("left", peer_id, error))
         self._spawn(self._started_control().disconnect(peer_id, f"dropped: {error}"), f"omni-drop-{peer_id}")

@@ -91,6 +91,24 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _address(text: str) -> str:
+    if not re.fullmatch(r"tcp://\S+:\d+(\?key=\S+)?", text):
+        raise argparse.ArgumentTypeError(f"not a control address: {text!r} (expected tcp://HOST:PORT, "
+                                         "as `omni-async recv` prints it)")
+    return text
+
+
+def _advertised(address: str, host: str | None) -> str:
+    """``address`` with its host replaced by ``host``, or by this machine's name when it is a wildcard."""
+    endpoint, sep, key = address.partition("?key=")
+    bound, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not host and bound in ("0.0.0.0", "*", "[::]", "::"):
+        import socket
+
+        host = socket.gethostname()
+    return f"tcp://{host or bound}:{port}{sep}{key}"
+
+
 def _checkout_with(relative: str) -> Path | None:
     """The repository checkout holding ``relative``: the package's parent dir, else the cwd."""
     here = Path(__file__).resolve().parent.parent
@@ -602,9 +620,10 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                     reason=str(event.error) if event.error else None)
 
         svc.agent.add_peer_listener(on_peer)  # before the address is out: no join is missed
-        say("listening", f"listening on {svc.control_address} as {svc.agent.peer_id!r}\n"
-            f"  send to it with: omni-async send {svc.control_address}",
-            address=svc.control_address, peer_id=svc.agent.peer_id,
+        address = _advertised(svc.control_address, args.advertise)
+        say("listening", f"listening on {address} as {svc.agent.peer_id!r}\n"
+            f"  send to it with: omni-async send '{address}'",
+            address=address, bound=svc.control_address, peer_id=svc.agent.peer_id,
             num_blocks=svc.region.num_blocks, block_len=svc.region.block_len)
         reason = "sessions"
         try:
@@ -670,8 +689,9 @@ def _summary_table(rows: list[tuple[str, str]], title: str) -> None:
 
 async def _send(args: argparse.Namespace, config: Any) -> int:
     import numpy as np
+    import zmq
 
-    from .errors import OmniAsyncError
+    from .errors import HandshakeTimeout, OmniAsyncError
     from .service import ConnectorService
 
     total_bytes = args.requests * args.chunks * args.chunk_size
@@ -679,12 +699,18 @@ async def _send(args: argparse.Namespace, config: Any) -> int:
         args.progress == "auto" and not args.json and sys.stderr.isatty() and total_bytes >= 32 << 20
     )
     report: dict[str, Any] = {"ok": False, "address": args.address}
+    deadline = asyncio.timeout(args.timeout)
     try:
-        async with asyncio.timeout(args.timeout):
+        async with deadline:
             async with ConnectorService(config) as svc:
                 handshake = 4 * config.agent.handshake_timeout
-                async with asyncio.timeout(handshake):
-                    peer = await svc.agent.connect(args.address)
+                try:
+                    async with asyncio.timeout(handshake):
+                        peer = await svc.agent.connect(args.address)
+                except TimeoutError as exc:
+                    if isinstance(exc, OmniAsyncError):
+                        raise
+                    raise HandshakeTimeout(f"no handshake with {args.address} within {handshake}s") from None
                 report["peer"] = peer
                 remote = svc.agent.peers[peer]
                 rng = np.random.default_rng()
@@ -749,9 +775,11 @@ async def _send(args: argparse.Namespace, config: Any) -> int:
                     latency_p50_us=round(_percentile(latencies, 50) * 1e6, 1),
                     latency_p99_us=round(_percentile(latencies, 99) * 1e6, 1), ok=True,
                 )
+    except OmniAsyncError as exc:  # before TimeoutError: HandshakeTimeout and DeadlineExceeded are both
+        report["error"] = f"{type(exc).__name__}: {exc}"
     except TimeoutError:
-        report["error"] = f"did not finish within {args.timeout}s"
-    except (OmniAsyncError, ValueError, OSError) as exc:
+        report["error"] = f"did not finish within {args.timeout}s" if deadline.expired() else "timed out"
+    except (ValueError, OSError, zmq.ZMQError) as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
 
     if args.json:
@@ -808,6 +836,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "--sessions or --duration; exit status 1 if any session failed verification.")
     _add_service_options(recv)
     recv.add_argument("--port", type=_positive_int, help="control-plane port (default from the config: 0 = any free)")
+    recv.add_argument("--advertise", metavar="HOST", help="host to print in the address peers dial (default: the "
+                      "bound one; this machine's name when bound to 0.0.0.0)")
     recv.add_argument("--quiet", action="store_true", help="no line per chunk: only sessions and summaries")
     recv.add_argument("--sessions", type=_positive_int, default=0, help="exit after this many sessions (0: never)")
     recv.add_argument("--duration", type=_seconds, default=None, help="exit after this many seconds")
@@ -819,7 +849,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "then stream --requests requests of --chunks chunks of --chunk-size bytes through a "
                     "TransferAdapter, all requests at once, each in order with up to --window chunks "
                     "unacknowledged.  Prints a summary table (or --json).  Sizes take K/M/G suffixes.")
-    send.add_argument("address", help="the receiver's control address, tcp://HOST:PORT (with ?key=... under CURVE)")
+    send.add_argument("address", type=_address, help="the receiver's control address, tcp://HOST:PORT (with ?key=... under CURVE)")
     _add_service_options(send)
     send.add_argument("--requests", type=_positive_int, default=4, help="concurrent requests (4)")
     send.add_argument("--chunks", type=_positive_int, default=8, help="chunks per request (8)")

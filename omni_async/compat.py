@@ -1010,7 +1010,7 @@ class SyncTransferAdapter:
         budget = timeout if timeout is not None else 4 * self._config.agent.handshake_timeout + 1.0
         engine = self._engine
         what = f"connecting to {address}"
-        return self._wait(_bounded(engine.connect(address), budget, what), budget + 1.0, what)
+        return self._wait(lambda: _bounded(engine.connect(address), budget, what), budget + 1.0, what)
 
     def wait_for_peer(self, peer_id: str | None = None, timeout: float = 30.0) -> str:
         """Block until ``peer_id`` (None: any peer) has joined; return its id.
@@ -1019,7 +1019,7 @@ class SyncTransferAdapter:
         self._check_open()
         service = self.service
         what = f"waiting for peer {peer_id!r}" if peer_id else "waiting for a peer"
-        return self._wait(_bounded(service.agent.wait_for_peer(peer_id), timeout, what), timeout + 1.0, what)
+        return self._wait(lambda: _bounded(service.agent.wait_for_peer(peer_id), timeout, what), timeout + 1.0, what)
 
     # -- the seed's methods ------------------------------------------------------------------
     def save_async(self, request_id: str, chunk: Mapping[str, Any], final: bool = False) -> None:
@@ -1049,7 +1049,7 @@ class SyncTransferAdapter:
             await engine.outgoing().save(request_id, chunk, final=final)  # type: ignore[arg-type]
 
         what = f"saving a chunk of {request_id!r}"
-        self._wait(_bounded(save_one(), timeout, what), None, what)
+        self._wait(lambda: _bounded(save_one(), timeout, what), None, what)
 
     def load_async(self, request_id: str) -> None:
         """Ask for the request's next chunk (each call one more, in order); never blocks.
@@ -1075,7 +1075,7 @@ class SyncTransferAdapter:
             return await engine.incoming().load_async(request_id)
 
         what = f"loading a chunk of {request_id!r}"
-        return self._wait(_bounded(load_one(), timeout, what), None, what)
+        return self._wait(lambda: _bounded(load_one(), timeout, what), None, what)
 
     def get_loaded(self, request_id: str) -> Chunk | None:
         """Take the oldest chunk that :meth:`load_async` brought in for the request, or None."""
@@ -1138,13 +1138,15 @@ class SyncTransferAdapter:
         self._finalizer()
 
     # -- helpers -------------------------------------------------------------------------------
-    def _wait(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:
-        """Run ``coro`` on the loop and return its result or raise its own error unchanged.
+    def _wait(self, make: Callable[[], Coroutine[Any, Any, T]], timeout: float | None, what: str) -> T:
+        """Run the coroutine ``make()`` on the loop; return its result or raise its own error unchanged.
 
-        (``_LoopThread.run`` would read a ``TimeoutError`` subclass raised by ``coro``, such as
-        :class:`DeadlineExceeded`, as its own wait timing out; boxing the outcome avoids that.)
+        The caller's thread is checked before the coroutine exists.  (``_LoopThread.run`` would
+        read a ``TimeoutError`` subclass raised by the coroutine, such as :class:`DeadlineExceeded`,
+        as its own wait timing out; boxing the outcome avoids that.)
         """
-        ok, value = self._engine.run(_boxed(coro), timeout, what)
+        self._engine.check_caller()
+        ok, value = self._engine.run(_boxed(make()), timeout, what)
         if not ok:
             raise value
         return value

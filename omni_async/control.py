@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 
 AcceptPeer = Callable[[PeerInfo], Awaitable[bytes]]
 """Admit a peer that passed the handshake rules; return the metadata to welcome it with."""
-PeerLostCallback = Callable[[str, OmniAsyncError], None]
-"""Told once when a joined peer is gone, with the reason."""
+PeerLostCallback = Callable[[str, OmniAsyncError, bool], None]
+"""Told once when a joined peer is gone: ``lost(peer_id, reason, orderly)``; ``orderly`` when
+it said goodbye (it is alive and closing), False when it died or broke the protocol."""
 
 _HEARTBEAT = encode_control(Heartbeat())
 _LINGER_MS = 200  # time for a goodbye to leave on close
@@ -341,7 +342,7 @@ class ControlPlane:
             return
         self.stats.lost += 1
         log.log(logging.INFO if orderly else logging.WARNING, "lost peer %s: %s", peer_id, error)
-        self._lost(peer_id, error)
+        self._lost(peer_id, error, orderly)
 
     async def _forget(self, peer_id: str, goodbye: str) -> None:
         peer = self._peers.get(peer_id)

@@ -122,7 +122,12 @@ class Ack(_Msg, tag="a", frozen=True):
     reason: Reason = ""
 
 
-DataHeader: TypeAlias = WriteRequest | MessageHeader | Ack
+class Goodbye(_Msg, tag="g", frozen=True):
+    """The sender's last message on a lane: it sends nothing more.  Both sides send one when a
+    peer leaves in order, and close the lane once they have the other's and nothing is pending."""
+
+
+DataHeader: TypeAlias = WriteRequest | MessageHeader | Ack | Goodbye
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)

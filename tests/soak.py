@@ -160,6 +160,7 @@ async def soak(requests: int, chunks: int, restarts: int, concurrency: int) -> i
             if receiver is rx and not np.array_equal(receiver.svc.region.array[remote], tx.region.array[local]):
                 errors.append(f"blocks {local}->{remote} corrupted")
             blocks_ok += 1
+            await asyncio.sleep(0.002)  # pace the writer so chunk streams get their share
 
     writer = asyncio.get_running_loop().create_task(write_blocks(), name="soak-blocks")
     senders = [asyncio.get_running_loop().create_task(send_request(r), name=f"soak-tx-{r}") for r in range(requests)]

@@ -59,6 +59,7 @@ from ..wire import (
     SEQ_MASK,
     Ack,
     DataHeader,
+    Goodbye,
     MessageHeader,
     WriteRequest,
     data_tag,
@@ -75,6 +76,9 @@ log = logging.getLogger(__name__)
 
 MAX_EARLY = 4096
 """Payload messages a lane may hold for headers it has not handled yet."""
+DRAIN_TIMEOUT = 2.0
+"""Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
+_DRAIN_TICK = 0.005
 
 Frames = list[npt.NDArray[np.uint8]]
 MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
@@ -84,6 +88,8 @@ The acknowledgement (which settles the sender's transfer) is sent when the sink 
 if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
 """
 FaultCallback = Callable[[str, OmniAsyncError], None]
+"""``fault(peer_id, error)``: the transport dropped a peer on its own (protocol violation, a
+broken lane, or the peer's Goodbye); the owner forgets it too."""
 
 
 def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
@@ -122,6 +128,10 @@ class _Link:
     """Payload messages that arrived before their header was handled: seq -> (length, message)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
+    leaving: bool = False
+    """This side sent its Goodbye; the lane is draining."""
+    peer_left: bool = False
+    """The peer's Goodbye arrived: every message it sent is here."""
 
     def take_seq(self, count: int) -> int:
         seq = self.next_seq
@@ -166,6 +176,7 @@ class UcxTransport:
         self._ids = itertools.count(1)
         self._vetter = shared_vetter(config.ucx_tls, config.ucx_net_devices)
         self._closing: set[Lane] = set()
+        self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
@@ -194,10 +205,14 @@ class UcxTransport:
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
 
-    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None) -> bool:
+    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
 
-        Returns False if the peer was not known.
+        ``orderly`` (the peer is alive: it said goodbye, or this side is closing or removing it)
+        drains the lane first: both sides send a :class:`~omni_async.wire.Goodbye` and close
+        once they have the other's and nothing is pending, so no UCX request is left behind
+        (a send to a peer that stopped progressing could never complete, and would pin the
+        lane's worker).  Draining is bounded by ``DRAIN_TIMEOUT``.  Returns False if unknown.
         """
         link = self._links.pop(peer_id, None)
         if link is None:
@@ -205,8 +220,27 @@ class UcxTransport:
         error = error or PeerLost(f"peer {peer_id!r} removed")
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
-        self.discard_lane(link.lane, error)
+        if orderly:
+            link.leaving = True
+            link.lane.send(encode_header(Goodbye()), HEADER_TAG, _ignore)
+            task = self._loop.create_task(self._drain_lane(link, error), name=f"omni-drain-{peer_id}")
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        else:
+            self.discard_lane(link.lane, error)
         return True
+
+    async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
+        """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
+        deadline = self._loop.time() + DRAIN_TIMEOUT
+        try:
+            while not (link.peer_left and link.lane.in_flight == 0 and not link.expected):
+                if self._loop.time() > deadline:
+                    log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
+                    break
+                await asyncio.sleep(_DRAIN_TICK)  # only while a lane drains, at most DRAIN_TIMEOUT
+        finally:
+            self.discard_lane(link.lane, error)
 
     def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
         """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
@@ -382,7 +416,13 @@ class UcxTransport:
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
             return
-        if isinstance(header, Ack):
+        if isinstance(header, Goodbye):
+            link.peer_left = True
+            if not link.leaving:  # the peer leaves first: drain, and tell the owner
+                gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
+                self.remove_peer(link.peer.peer_id, gone, orderly=True)
+                self._fault(link.peer.peer_id, gone)
+        elif isinstance(header, Ack):
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
             self._on_write(link, header)
@@ -437,8 +477,8 @@ class UcxTransport:
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
-        if error is not None:
-            answer(error)
+        if error is not None or link.leaving:
+            answer(error)  # a leaving peer's messages are not delivered (nor acknowledged)
             return
         sink = self.message_sink
         if sink is None:
@@ -481,12 +521,13 @@ class UcxTransport:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def close(self) -> None:
-        """Fail every in-flight transfer with :class:`ClosedError`, close all lanes and wait
-        until UCX released them.  Idempotent."""
+        """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
+        and wait until UCX released them.  Idempotent."""
         if not self._closed:
             self._closed = True
             for peer_id in list(self._links):
-                self.remove_peer(peer_id, ClosedError("transport closed"))
+                self.remove_peer(peer_id, ClosedError("transport closed"), orderly=True)
+        await asyncio.gather(*list(self._drains))
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
 
     def _check_open(self) -> None:
