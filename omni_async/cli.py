@@ -22,7 +22,9 @@ import argparse
 import ast
 import asyncio
 import contextlib
+import functools
 import inspect
+import itertools
 import json
 import os
 import re
@@ -71,14 +73,18 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def _count(text: str, minimum: int = 0) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def _at_least_one(text: str) -> int:
+    return _count(text, 1)
 
 
 def _seconds(text: str) -> float:
@@ -144,7 +150,7 @@ async def _until_signalled(work: Coroutine[Any, Any, T]) -> tuple[T | None, bool
             loop.remove_signal_handler(sig)
         task.cancel()
 
-    installed: list[int] = []
+    installed: list[signal.Signals] = []
     for sig in signals:
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, on_signal)
@@ -164,15 +170,18 @@ async def _until_signalled(work: Coroutine[Any, Any, T]) -> tuple[T | None, bool
 async def _all_or_first_error(coros: list[Coroutine[Any, Any, Any]]) -> None:
     """Run ``coros`` concurrently; on the first failure cancel the rest, then raise it."""
     tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     for task in tasks:
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            raise error
 
 
 def _run_async(work: Coroutine[Any, Any, int]) -> int:
@@ -288,22 +297,6 @@ def explain_config_error(message: str, path: str | os.PathLike[str] | None,
 
 
 # -- the field reference (docs/configuration.md) -----------------------------------------------
-_FIELD_NOTES: dict[str, str] = {
-    # Meanings of fields whose struct has no docstring for them (config.py is the source of
-    # truth: a docstring there replaces the note here).
-    "agent.handshake_timeout": "Seconds to wait for the peer's answer to our hello before HandshakeTimeout.",
-    "agent.heartbeat_interval": "Seconds between heartbeats to each peer; must be below `heartbeat_timeout`.",
-    "agent.max_peers": "Most peers joined or being admitted at once; handshakes beyond it are rejected.",
-    "region.num_blocks": "Blocks in the region a service allocates.",
-    "region.block_len": "Bytes per block; must be equal on both sides of a pair (checked in the handshake).",
-    "connector.name": "Registered connector to build (`ucx` is built in; see `register_connector`).",
-    "connector.extra": "Options of that connector, validated by its `Options` struct (below for `ucx`).",
-}
-
-
-_STRUCT_NOTES: dict[str, str] = {"UcxOptions": "Options of the built-in `ucx` connector."}
-
-
 def _markdown(text: str) -> str:
     """Docstring markup to markdown: ``x`` → `x`, :class:`~a.b.C` → `C`; pipes escaped."""
     text = re.sub(r":\w+:`~?(?:[\w.]*\.)?(\w+)`", r"`\1`", text)
@@ -318,7 +311,7 @@ def _field_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     docs: dict[str, str] = {}
-    for node, following in zip(body, body[1:], strict=False):
+    for node, following in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
@@ -342,8 +335,15 @@ def _type_text(info: Any) -> str:
         return "dict"
     if isinstance(info, mi.StructType):
         return "table"
-    base = {mi.IntType: "int", mi.FloatType: "float", mi.StrType: "str", mi.BoolType: "bool"}.get(type(info))
-    if base is None:
+    if isinstance(info, mi.BoolType):
+        return "bool"
+    if isinstance(info, mi.StrType):
+        return "str"
+    if isinstance(info, mi.IntType):
+        base = "int"
+    elif isinstance(info, mi.FloatType):
+        base = "float"
+    else:
         return "any"
     bounds = [f"{op} {getattr(info, attr)}" for attr, op in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤"))
               if getattr(info, attr, None) is not None]
@@ -368,21 +368,28 @@ def config_reference() -> str:
 
     out: list[str] = []
     service = msgspec.inspect.type_info(ServiceConfig)
-    sections = [(f.name, f.type.cls) for f in service.fields if isinstance(f.type, msgspec.inspect.StructType)]
+    assert isinstance(service, msgspec.inspect.StructType)
+    sections: list[tuple[str, type[msgspec.Struct]]] = [
+        (f.name, f.type.cls) for f in service.fields if isinstance(f.type, msgspec.inspect.StructType)
+    ]
     sections.append(("connector.extra", UcxOptions))
     for section, cls in sections:
         docs = _field_docs(cls)
-        title = _markdown(cls.__doc__.strip().splitlines()[0] if cls.__doc__ else _STRUCT_NOTES.get(cls.__name__, ""))
-        label = f"`{section}` (`{cls.__name__}`, for `connector.name = \"ucx\"`)" if section == "connector.extra" \
-            else f"`{section}` (`{cls.__name__}`)"
+        title = _markdown(cls.__doc__.strip().splitlines()[0] if cls.__doc__ else "")
+        label = f"`{section}` (`{cls.__name__}`)"
+        if section == "connector.extra":
+            label = f"`{section}` (`{cls.__name__}`, for `connector.name = \"ucx\"`)"
         out += [f"### {label}", "", title, "",
                 "| field | type | default | environment variable | meaning |",
                 "|---|---|---|---|---|"]
-        for field in msgspec.inspect.type_info(cls).fields:
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for field in info.fields:
             dotted = f"{section}.{field.name}"
             env = ENV_PREFIX + dotted.replace(".", "__").upper()
-            meaning = _markdown(docs.get(field.name) or _FIELD_NOTES.get(dotted, ""))
-            out.append(f"| `{field.name}` | {_markdown(_type_text(field.type))} | {_default_text(field)} | `{env}` | {meaning} |")
+            meaning = _markdown(docs.get(field.name, ""))
+            kind = _markdown(_type_text(field.type))
+            out.append(f"| `{field.name}` | {kind} | {_default_text(field)} | `{env}` | {meaning} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -548,8 +555,10 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                 f"{manifest.chunks} chunks of {manifest.chunk_bytes} B, {len(manifest.blocks)} blocks",
                 peer=peer, session=manifest.session, requests=len(manifest.requests), chunks=manifest.chunks,
                 chunk_bytes=manifest.chunk_bytes, blocks=len(manifest.blocks))
-            bad_blocks = sum(
-                zlib.crc32(svc.region.array[b]) != crc for b, crc in zip(manifest.blocks, manifest.block_crcs, strict=False)
+            num_blocks = svc.region.num_blocks
+            bad_blocks = abs(len(manifest.blocks) - len(manifest.block_crcs)) + sum(
+                not 0 <= b < num_blocks or zlib.crc32(svc.region.array[b]) != crc
+                for b, crc in zip(manifest.blocks, manifest.block_crcs, strict=False)
             )
             if manifest.blocks:
                 say("blocks", f"  blocks: {len(manifest.blocks)} written by {peer}, {bad_blocks} bad",
@@ -604,14 +613,20 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                     say("error", f"bad session manifest from {peer}: {exc}", peer=peer, error=str(exc))
                     return
                 number += 1
-                results.append(await session(peer, manifest))
+                try:
+                    results.append(await session(peer, manifest))
+                except (ValueError, TypeError) as exc:  # e.g. a stage name the adapter refuses
+                    say("error", f"session {manifest.session} from {peer} is unusable: {exc}", peer=peer,
+                        session=manifest.session, error=str(exc))
+                    results.append(False)
                 if args.sessions and len(results) >= args.sessions:
                     finished.set()
 
         def on_peer(event: PeerEvent) -> None:
             if event.kind == "joined":
                 say("peer", f"peer {event.peer_id} joined", peer=event.peer_id, kind="joined")
-                task = asyncio.get_running_loop().create_task(serve(event.peer_id), name=f"omni-cli-serve-{event.peer_id}")
+                loop = asyncio.get_running_loop()
+                task = loop.create_task(serve(event.peer_id), name=f"omni-cli-serve-{event.peer_id}")
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             else:
@@ -665,8 +680,7 @@ def _progress(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
         yield lambda _n: None
         return
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     columns = (TextColumn("sending"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
                TimeRemainingColumn())
@@ -701,80 +715,80 @@ async def _send(args: argparse.Namespace, config: Any) -> int:
     report: dict[str, Any] = {"ok": False, "address": args.address}
     deadline = asyncio.timeout(args.timeout)
     try:
-        async with deadline:
-            async with ConnectorService(config) as svc:
-                handshake = 4 * config.agent.handshake_timeout
-                try:
-                    async with asyncio.timeout(handshake):
-                        peer = await svc.agent.connect(args.address)
-                except TimeoutError as exc:
-                    if isinstance(exc, OmniAsyncError):
-                        raise
-                    raise HandshakeTimeout(f"no handshake with {args.address} within {handshake}s") from None
-                report["peer"] = peer
-                remote = svc.agent.peers[peer]
-                rng = np.random.default_rng()
+        async with deadline, ConnectorService(config) as svc:
+            handshake = 4 * config.agent.handshake_timeout
+            try:
+                async with asyncio.timeout(handshake):
+                    peer = await svc.agent.connect(args.address)
+            except TimeoutError as exc:
+                if isinstance(exc, OmniAsyncError):
+                    raise
+                raise HandshakeTimeout(f"no handshake with {args.address} within {handshake}s") from None
+            report["peer"] = peer
+            remote = svc.agent.peers[peer]
+            rng = np.random.default_rng()
 
-                # KV blocks first: local 0..n-1 into the peer's 0..n-1, 64 per write.
-                block_indices = list(range(args.blocks))
-                block_crcs: list[int] = []
-                if args.blocks:
-                    limit = min(svc.region.num_blocks, remote.num_blocks)
-                    if args.blocks > limit:
-                        raise ValueError(f"--blocks {args.blocks} exceeds the regions ({limit} blocks; "
-                                         "raise region.num_blocks on both sides)")
-                    svc.region.array[: args.blocks] = rng.integers(0, 256, (args.blocks, svc.region.block_len),
-                                                                   dtype=np.uint8)
-                    block_crcs = [zlib.crc32(svc.region.array[b]) for b in block_indices]
-                    started = time.perf_counter()
-                    async def write(batch: list[int]) -> None:
-                        await svc.agent.write_blocks(peer, batch, batch)
+            # KV blocks first: local 0..n-1 into the peer's 0..n-1, 64 per write.
+            block_indices = list(range(args.blocks))
+            block_crcs: list[int] = []
+            if args.blocks:
+                limit = min(svc.region.num_blocks, remote.num_blocks)
+                if args.blocks > limit:
+                    raise ValueError(f"--blocks {args.blocks} exceeds the regions ({limit} blocks; "
+                                     "raise region.num_blocks on both sides)")
+                svc.region.array[: args.blocks] = rng.integers(0, 256, (args.blocks, svc.region.block_len),
+                                                               dtype=np.uint8)
+                block_crcs = [zlib.crc32(svc.region.array[b]) for b in block_indices]
+                started = time.perf_counter()
 
-                    await _all_or_first_error([write(block_indices[i: i + 64]) for i in range(0, args.blocks, 64)])
-                    seconds = time.perf_counter() - started
-                    report.update(blocks=args.blocks, block_bytes=args.blocks * svc.region.block_len,
-                                  block_seconds=round(seconds, 4),
-                                  block_GBps=round(args.blocks * svc.region.block_len / seconds / 1e9, 3))
+                async def write(batch: list[int]) -> None:
+                    await svc.agent.write_blocks(peer, batch, batch)
 
-                # Then the chunk streams: announce them, then R requests at once, each in order.
-                session = os.urandom(4).hex()
-                requests = [f"{session}-{r}" for r in range(args.requests)]
-                payload = rng.integers(0, 256, args.chunk_size, dtype=np.uint8)
-                manifest = _Session(session=session, stage=args.stage, requests=requests, chunks=args.chunks,
-                                    chunk_bytes=args.chunk_size, chunk_crc=zlib.crc32(payload),
-                                    blocks=block_indices, block_crcs=block_crcs)
-                await svc.connector.put(peer, f"{SESSION_KEY}:{svc.agent.peer_id}:0", msgspec.to_builtins(manifest))
-                adapter = svc.adapter(args.stage, peer_id=peer)
-                latencies: list[float] = []
+                await _all_or_first_error([write(block_indices[i: i + 64]) for i in range(0, args.blocks, 64)])
+                seconds = time.perf_counter() - started
+                report.update(blocks=args.blocks, block_bytes=args.blocks * svc.region.block_len,
+                              block_seconds=round(seconds, 4),
+                              block_GBps=round(args.blocks * svc.region.block_len / seconds / 1e9, 3))
 
-                with _progress(show_progress, total_bytes) as advance:
-                    def acked(sent_at: float, future: asyncio.Future[None]) -> None:
-                        if not future.cancelled() and future.exception() is None:
-                            latencies.append(time.perf_counter() - sent_at)
-                            advance(args.chunk_size)
+            # Then the chunk streams: announce them, then R requests at once, each in order.
+            session = os.urandom(4).hex()
+            requests = [f"{session}-{r}" for r in range(args.requests)]
+            payload = rng.integers(0, 256, args.chunk_size, dtype=np.uint8)
+            manifest = _Session(session=session, stage=args.stage, requests=requests, chunks=args.chunks,
+                                chunk_bytes=args.chunk_size, chunk_crc=zlib.crc32(payload),
+                                blocks=block_indices, block_crcs=block_crcs)
+            await svc.connector.put(peer, f"{SESSION_KEY}:{svc.agent.peer_id}:0", msgspec.to_builtins(manifest))
+            adapter = svc.adapter(args.stage, peer_id=peer)
+            latencies: list[float] = []
 
-                    async def produce(request_id: str) -> None:
-                        window: list[asyncio.Future[None]] = []
-                        for index in range(args.chunks):
-                            if len(window) >= args.window:
-                                await window.pop(0)
-                            future = adapter.save_async(request_id, {"data": payload, "index": index},
-                                                        final=index == args.chunks - 1)
-                            future.add_done_callback(lambda f, t=time.perf_counter(): acked(t, f))
-                            window.append(future)
-                        await asyncio.gather(*window)
+            with _progress(show_progress, total_bytes) as advance:
+                def acked(sent_at: float, future: asyncio.Future[None]) -> None:
+                    if not future.cancelled() and future.exception() is None:
+                        latencies.append(time.perf_counter() - sent_at)
+                        advance(args.chunk_size)
 
-                    started = time.perf_counter()
-                    await _all_or_first_error([produce(r) for r in requests])
-                    seconds = time.perf_counter() - started
-                chunks = args.requests * args.chunks
-                report.update(
-                    session=session, requests=args.requests, chunks=chunks, chunk_bytes=args.chunk_size,
-                    bytes=total_bytes, seconds=round(seconds, 4),
-                    MBps=round(total_bytes / seconds / 1e6, 2), chunks_per_s=round(chunks / seconds, 1),
-                    latency_p50_us=round(_percentile(latencies, 50) * 1e6, 1),
-                    latency_p99_us=round(_percentile(latencies, 99) * 1e6, 1), ok=True,
-                )
+                async def produce(request_id: str) -> None:
+                    window: list[asyncio.Future[None]] = []
+                    for index in range(args.chunks):
+                        if len(window) >= args.window:
+                            await window.pop(0)
+                        future = adapter.save_async(request_id, {"data": payload, "index": index},
+                                                    final=index == args.chunks - 1)
+                        future.add_done_callback(functools.partial(acked, time.perf_counter()))
+                        window.append(future)
+                    await asyncio.gather(*window)
+
+                started = time.perf_counter()
+                await _all_or_first_error([produce(r) for r in requests])
+                seconds = time.perf_counter() - started
+            chunks = args.requests * args.chunks
+            report.update(
+                session=session, requests=args.requests, chunks=chunks, chunk_bytes=args.chunk_size,
+                bytes=total_bytes, seconds=round(seconds, 4),
+                MBps=round(total_bytes / seconds / 1e6, 2), chunks_per_s=round(chunks / seconds, 1),
+                latency_p50_us=round(_percentile(latencies, 50) * 1e6, 1),
+                latency_p99_us=round(_percentile(latencies, 99) * 1e6, 1), ok=True,
+            )
     except OmniAsyncError as exc:  # before TimeoutError: HandshakeTimeout and DeadlineExceeded are both
         report["error"] = f"{type(exc).__name__}: {exc}"
     except TimeoutError:
@@ -835,11 +849,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "a line for the KV blocks, and a summary per session.  Runs until Ctrl-C/SIGTERM, "
                     "--sessions or --duration; exit status 1 if any session failed verification.")
     _add_service_options(recv)
-    recv.add_argument("--port", type=_positive_int, help="control-plane port (default from the config: 0 = any free)")
+    recv.add_argument("--port", type=_count, help="control-plane port (default from the config: 0 = any free)")
     recv.add_argument("--advertise", metavar="HOST", help="host to print in the address peers dial (default: the "
                       "bound one; this machine's name when bound to 0.0.0.0)")
     recv.add_argument("--quiet", action="store_true", help="no line per chunk: only sessions and summaries")
-    recv.add_argument("--sessions", type=_positive_int, default=0, help="exit after this many sessions (0: never)")
+    recv.add_argument("--sessions", type=_count, default=0, help="exit after this many sessions (0: never)")
     recv.add_argument("--duration", type=_seconds, default=None, help="exit after this many seconds")
     recv.set_defaults(func=cmd_recv)
 
@@ -849,13 +863,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "then stream --requests requests of --chunks chunks of --chunk-size bytes through a "
                     "TransferAdapter, all requests at once, each in order with up to --window chunks "
                     "unacknowledged.  Prints a summary table (or --json).  Sizes take K/M/G suffixes.")
-    send.add_argument("address", type=_address, help="the receiver's control address, tcp://HOST:PORT (with ?key=... under CURVE)")
+    send.add_argument("address", type=_address,
+                      help="the receiver's control address, tcp://HOST:PORT (with ?key=... under CURVE)")
     _add_service_options(send)
-    send.add_argument("--requests", type=_positive_int, default=4, help="concurrent requests (4)")
-    send.add_argument("--chunks", type=_positive_int, default=8, help="chunks per request (8)")
+    send.add_argument("--requests", type=_count, default=4, help="concurrent requests (4)")
+    send.add_argument("--chunks", type=_count, default=8, help="chunks per request (8)")
     send.add_argument("--chunk-size", type=parse_size, default=64 << 10, help="bytes per chunk (64K)")
-    send.add_argument("--blocks", type=_positive_int, default=0, help="KV blocks to write first (0)")
-    send.add_argument("--window", type=int, default=8, help="unacknowledged chunks per request (8)")
+    send.add_argument("--blocks", type=_count, default=0, help="KV blocks to write first (0)")
+    send.add_argument("--window", type=_at_least_one, default=8, help="unacknowledged chunks per request (8)")
     send.add_argument("--stage", default=DEFAULT_STAGE, help=f"adapter stage name ({DEFAULT_STAGE})")
     send.add_argument("--timeout", type=_seconds, default=300.0, help="give up after this many seconds (300)")
     send.add_argument("--progress", choices=("auto", "always", "never"), default="auto",

@@ -37,7 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import suppress
 from functools import partial
-from typing import Annotated, Any, NamedTuple, Self, TypeVar
+from typing import Annotated, Any, NamedTuple, Self, TypeVar, cast
 
 import msgspec
 
@@ -204,6 +204,8 @@ class _LoopThread:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError subclass (HandshakeTimeout, ...)
+                raise
             future.cancel()
             raise DeadlineExceeded(f"{what} did not finish within {timeout:.1f}s") from None
         except concurrent.futures.CancelledError:
@@ -219,7 +221,7 @@ class _LoopThread:
                 return
             try:
                 future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            except BaseException as exc:  # handed to the waiting caller
                 future.set_exception(exc)
 
         self.loop.call_soon_threadsafe(invoke)
@@ -739,7 +741,7 @@ def _reason(error: BaseException) -> str:
 class _SaveBook:
     """Send-side state of one request saved with ``save_async`` (loop thread writes, under the lock)."""
 
-    __slots__ = ("pending", "final", "failed")
+    __slots__ = ("failed", "final", "pending")
 
     def __init__(self) -> None:
         self.pending = 0  # chunks queued and not yet settled
@@ -924,9 +926,28 @@ class SyncTransferAdapter:
     * **blocking**: :meth:`save` / :meth:`load` wait and return (or raise the typed error); they
       never appear in the books.
 
-    Threading: every method may be called from any thread except the adapter's loop thread.
-    The constructor blocks until the service listens; use as a context manager or call
-    :meth:`shutdown`.
+    The seed's methods, with the signatures it left to subclasses made concrete:
+
+    ========================================  ==================================================
+    seed                                      here
+    ========================================  ==================================================
+    ``save_async(*args, **kwargs)``           ``save_async(request_id, chunk, final=False)``
+    ``load_async(*args, **kwargs)``           ``load_async(request_id)``; the chunk arrives in
+                                              :meth:`get_loaded`
+    ``save(*args, **kwargs)``                 ``save(request_id, chunk, final=False, timeout=None)``
+    ``load(*args, **kwargs)``                 ``load(request_id, timeout=None) -> Chunk``
+    ``get_finished_requests()``               same, ``-> set[str]``, drained
+    ``collect_failed_*_request_ids()``        same, ``-> dict[str, str]``, drained
+    ``record_send/receive_failure(...)``      same
+    ``shutdown()``                            same, idempotent (drains saves first)
+    ``create_connector(model_config)``        none: the connector comes from ``config.connector``
+    ``save_loop()`` / ``recv_loop()``         none: nothing polls
+    ========================================  ==================================================
+
+    Threading: every method may be called from any thread; on the adapter's own loop thread
+    the blocking ones (``connect``, ``save``, ``load``, ``shutdown``...) raise
+    :class:`RuntimeError` instead of deadlocking.  The constructor blocks until the service
+    listens; use as a context manager or call :meth:`shutdown`.
     """
 
     def __init__(
@@ -1046,7 +1067,7 @@ class SyncTransferAdapter:
         engine = self._engine
 
         async def save_one() -> None:
-            await engine.outgoing().save(request_id, chunk, final=final)  # type: ignore[arg-type]
+            await engine.outgoing().save(request_id, chunk, final=final)
 
         what = f"saving a chunk of {request_id!r}"
         self._wait(lambda: _bounded(save_one(), timeout, what), None, what)
@@ -1149,7 +1170,7 @@ class SyncTransferAdapter:
         ok, value = self._engine.run(_boxed(make()), timeout, what)
         if not ok:
             raise value
-        return value
+        return cast(T, value)
 
     def _check_open(self) -> None:
         if self._engine.closed:
@@ -1169,7 +1190,7 @@ async def _boxed(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:
     """``(True, result)`` or ``(False, exception)``; cancellation still propagates."""
     try:
         return True, await coro
-    except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
+    except Exception as exc:  # re-raised in the caller's thread
         return False, exc
 
 

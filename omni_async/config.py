@@ -38,8 +38,13 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Control-plane TCP port; 0 picks a free one (see ``Agent.control_address``)."""
     config_fields: dict[str, Any] | None = None
     """Model config values hashed into the compatibility fingerprint (None: compatible with all)."""
+    advertise_host: str = ""
+    """Host put in ``control_address`` for peers (e.g. this machine's address when ``host`` is
+    ``0.0.0.0``); empty uses the bound address."""
     handshake_timeout: PositiveSeconds = 5.0
+    """Seconds to wait for the peer's answer to our hello before HandshakeTimeout."""
     heartbeat_interval: PositiveSeconds = 0.5
+    """Seconds between heartbeats to each peer; must be below ``heartbeat_timeout``."""
     heartbeat_timeout: PositiveSeconds = 3.0
     """A peer silent for this long is lost; its in-flight transfers fail with PeerLost."""
     transfer_timeout: PositiveSeconds = 60.0
@@ -49,6 +54,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ucx_net_devices: str = ""
     """UCX_NET_DEVICES (e.g. ``lo`` for loopback tests); empty lets UCX choose."""
     max_peers: Positive = 64
+    """Most peers joined or being admitted at once; handshakes beyond it are rejected."""
     max_write_blocks: Positive = 1 << 20
     """Most blocks one incoming write may name."""
     max_message_bytes: Positive = 1 << 30
@@ -92,14 +98,18 @@ class RegionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The block region a service allocates (``num_blocks × block_len`` bytes)."""
 
     num_blocks: Positive = 256
+    """Blocks in the region a service allocates."""
     block_len: Positive = 64 * 1024
+    """Bytes per block; must be equal on both sides of a pair (checked in the handshake)."""
 
 
 class ConnectorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Which connector to build (``name`` in the registry) and its options (``extra``)."""
 
     name: str = "ucx"
+    """Registered connector to build (``ucx`` is built in; see ``register_connector``)."""
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Options of that connector, validated by its ``Options`` struct."""
 
 
 class AdapterOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

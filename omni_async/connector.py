@@ -122,6 +122,8 @@ def create_connector(spec: ConnectorSpec | dict[str, Any], agent: Agent) -> Conn
 
 
 class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Options of the built-in ``ucx`` connector."""
+
     max_buffered_bytes: int = 256 << 20
     """Payload bytes buffered before acknowledgements are held back."""
     checksum: bool = False

@@ -121,7 +121,10 @@ class ControlPlane:
             router.curve_server = True
         router.bind(f"tcp://{self.config.host}:{self.config.port}")
         self._router = router
-        self._address = join_address(router.getsockopt_string(zmq.LAST_ENDPOINT), self._public_key)
+        bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.advertise_host:
+            bound = f"tcp://{self.config.advertise_host}:{bound.rsplit(':', 1)[1]}"
+        self._address = join_address(bound, self._public_key)
         self._spawn(self._router_loop(router), "omni-control-router")
         self._spawn(self._heartbeat_loop(), "omni-control-heartbeat")
         log.info("control plane of %s listening on %s", self.identity.peer_id, self._address)

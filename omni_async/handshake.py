@@ -15,7 +15,6 @@ from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, Vers
 from .region import fingerprints_compatible
 from .wire import PROTOCOL_VERSION, Hello, Reject, Welcome
 
-
 H = TypeVar("H", bound=Hello)
 
 
