@@ -1,0 +1,78 @@
+"""``python -m bench <command>``: ``blocks`` (block writes vs memcpy and NIXL), ``chunks``
+(chunk streams through the adapter vs memcpy), ``idle`` (CPU of an idle connected pair).
+
+``--json`` prints one JSON object on stdout (the table then goes to stderr).  The exit status is
+0 when the run completed, whether or not targets were met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from omni_async.eventloop import run
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    blocks = sub.add_parser("blocks", help="block writes: omni_async vs numpy memcpy vs NIXL")
+    blocks.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    blocks.add_argument("--tcp", action="store_true", help="only the UCX_TLS=tcp rows (a_tcp, b_tcp, c_tcp)")
+    blocks.add_argument("--iters", type=int, default=None, help="timed iterations per round of b/c (a: 20×)")
+    blocks.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
+    blocks.add_argument("--quick", action="store_true", help="few iterations, one round: a smoke run")
+    blocks.add_argument("--no-nixl", action="store_true", help="skip NIXL (reported as unavailable)")
+    blocks.add_argument("--nixl-error-handling", default="peer", choices=["peer", "none"],
+                        help="NIXL UCX backend ucx_error_handling_mode (default: NIXL's default, peer)")
+
+    chunks = sub.add_parser("chunks", help="chunk streams through the adapter vs numpy memcpy")
+    chunks.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    chunks.add_argument("--quick", action="store_true", help="few iterations: a smoke run")
+    chunks.add_argument("--tcp", action="store_true", help="only the UCX_TLS=tcp rows")
+
+    idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
+    idle.add_argument("--seconds", type=float, default=10.0)
+    idle.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    return parser
+
+
+def _emit(report: dict[str, Any], text: str, as_json: bool) -> None:
+    if as_json:
+        print(text, file=sys.stderr)
+        print(json.dumps(report))
+    else:
+        print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "blocks":
+        from . import report as report_mod
+        from .blocks import Options, run_blocks
+
+        opts = Options(
+            quick=args.quick, iters=args.iters, rounds=args.rounds, nixl=not args.no_nixl,
+            modes=("tcp",) if args.tcp else ("shm", "tcp"), nixl_error_handling=args.nixl_error_handling,
+        )
+        result = run(run_blocks(opts))
+        _emit(result, report_mod.table(result), args.json)
+    elif args.command == "chunks":
+        from .chunks import run_chunks
+        from .chunks import table as chunk_table
+
+        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp")))
+        _emit(result, chunk_table(result), args.json)
+    elif args.command == "idle":
+        from .idle import run_idle, table
+
+        result = run(run_idle(args.seconds))
+        _emit(result, table(result), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

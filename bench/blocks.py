@@ -1,0 +1,172 @@
+"""``python -m bench blocks``: block writes, omni_async side by side with memcpy and NIXL.
+
+For every workload (see :mod:`bench.workloads`) and mode (same-host defaults, and
+``UCX_TLS=tcp``), in each of several rounds: numpy memcpy in this process, then omni_async
+(sender agent here, receiver agent in a child), then NIXL (sender and receiver children).  The
+rounds interleave the contenders so a neighbour's load hits them alike; samples of all rounds
+are pooled and summarized by their median (p50/p99 for latency).  Before each timed loop the
+destination rows are zeroed, after it every byte is compared with the source: a mismatch
+raises :class:`VerificationError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .hostload import ForeignLoad
+from .memcpy import time_memcpy, time_row_copies
+from .modes import SHM, TCP, Mode
+from .nixl_side import DEFAULT_ERROR_HANDLING, NixlSide
+from .omni_side import OmniSide
+from .procs import ChildError, Children
+from .provenance import stamp
+from .report import ratios_and_targets
+from .shm import ShmFile, blocks_match, fill_random
+from .stats import summarize
+from .workloads import GEOMETRIES, REGION_BYTES, Workload, workloads
+
+TCP_WORKLOADS = ("a", "b", "c")
+"""Workloads also run with ``UCX_TLS=tcp`` (rows ``a_tcp``, ``b_tcp``, ``c_tcp``)."""
+
+
+class VerificationError(RuntimeError):
+    """A contender's destination blocks differ from the source after its timed loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    quick: bool = False
+    iters: int | None = None
+    modes: tuple[str, ...] = ("shm", "tcp")
+    rounds: int | None = None
+    nixl: bool = True
+    nixl_error_handling: str = DEFAULT_ERROR_HANDLING
+
+
+class _Samples:
+    """Pooled per-iteration samples, keyed by (row, contender)."""
+
+    def __init__(self) -> None:
+        self.data: dict[tuple[str, str], list[int]] = {}
+
+    def add(self, row: str, contender: str, samples: list[int]) -> None:
+        self.data.setdefault((row, contender), []).extend(samples)
+
+    def get(self, row: str, contender: str) -> list[int]:
+        return self.data.get((row, contender), [])
+
+
+async def run_blocks(opts: Options) -> dict[str, Any]:
+    """Run every workload in every mode; return the raw summaries, ratios and run metadata."""
+    modes = [m for m in (SHM, TCP) if m.name in opts.modes]
+    plan: list[tuple[Mode, Workload]] = [
+        (m, w) for m in modes for w in workloads(opts.quick, opts.iters)
+        if m is SHM or w.name in TCP_WORKLOADS
+    ]
+    rounds = opts.rounds or (1 if opts.quick else 5)
+    load = ForeignLoad()
+    samples = _Samples()
+    files: list[ShmFile] = []
+    omni = OmniSide()
+    nixl: dict[str, NixlSide] = {}
+    try:
+        for tag in ("src", "dst-omni", "dst-nixl", "dst-memcpy"):
+            files.append(ShmFile(tag, REGION_BYTES))
+        src, dst_omni, dst_nixl, dst_memcpy = files
+        fill_random(src.flat, seed=7)
+        async with Children() as children:
+            await omni.start(children, src, dst_omni, modes, list(GEOMETRIES))
+            for mode in modes:
+                side = NixlSide(mode, opts.nixl_error_handling)
+                if opts.nixl:
+                    await side.start(children, src, dst_nixl)
+                else:
+                    side.reason = "disabled (--no-nixl)"
+                nixl[mode.name] = side
+            try:
+                for _ in range(rounds):
+                    for mode, workload in plan:
+                        await _one(mode, workload, samples, omni, nixl[mode.name], src, dst_omni, dst_nixl, dst_memcpy)
+            finally:
+                await omni.close()
+    finally:
+        for file in files:
+            file.close()
+    result = _result(opts, rounds, plan, samples, omni, nixl)
+    result["host"]["load"] = load.stop()
+    return result
+
+
+async def _one(
+    mode: Mode, w: Workload, samples: _Samples, omni: OmniSide, nixl: NixlSide,
+    src: ShmFile, dst_omni: ShmFile, dst_nixl: ShmFile, dst_memcpy: ShmFile,
+) -> None:
+    """One round of one row: memcpy, omni_async, NIXL, each verified after its loop."""
+    row = w.name + mode.suffix
+    g = w.geometry
+    local, remote = w.indices()
+    src_rows = src.rows(g.block_len)
+
+    def reset(dst: ShmFile) -> None:
+        dst.rows(g.block_len)[remote] = 0
+
+    def verify(dst: ShmFile, who: str) -> None:
+        if not blocks_match(src_rows, dst.rows(g.block_len), local, remote):
+            raise VerificationError(f"{who}: destination blocks of {row} differ from the source")
+
+    reset(dst_memcpy)
+    samples.add(row, "memcpy", time_memcpy(src_rows, dst_memcpy.rows(g.block_len), local, remote, w.iters, w.warmup))
+    verify(dst_memcpy, "memcpy")
+    reset(dst_memcpy)
+    samples.add(row, "memcpy_rows", time_row_copies(src_rows, dst_memcpy.rows(g.block_len), local, remote, w.iters,
+                                                    w.warmup))
+    verify(dst_memcpy, "memcpy_rows")
+
+    reset(dst_omni)
+    samples.add(row, "omni_async", await omni.time_writes(mode, g, local, remote, w.iters, w.warmup))
+    verify(dst_omni, "omni_async")
+
+    if nixl.available:
+        reset(dst_nixl)
+        try:
+            samples.add(row, "nixl", await nixl.time_writes(g, local, remote, w.iters, w.warmup))
+        except ChildError as exc:
+            nixl.reason = f"failed during {row}: {exc}"
+            return
+        verify(dst_nixl, "nixl")
+
+
+def _result(
+    opts: Options, rounds: int, plan: list[tuple[Mode, Workload]], samples: _Samples,
+    omni: OmniSide, nixl: dict[str, NixlSide],
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for mode, w in plan:
+        row = w.name + mode.suffix
+        nixl_ok = nixl[mode.name].available and samples.get(row, "nixl")
+        results[row] = {
+            "workload": w.describe(),
+            "mode": mode.name,
+            "kind": w.kind,
+            "bytes": w.nbytes,
+            "runs": len(w.indices()[0]) if w.scattered else 1,
+            "memcpy": summarize(w.nbytes, samples.get(row, "memcpy")),
+            "memcpy_rows": summarize(w.nbytes, samples.get(row, "memcpy_rows")),
+            "omni_async": summarize(w.nbytes, samples.get(row, "omni_async")),
+            "nixl": summarize(w.nbytes, samples.get(row, "nixl")) if nixl_ok else None,
+        }
+    ratios, targets = ratios_and_targets(results)
+    return {
+        **stamp(),
+        "settings": {"quick": opts.quick, "rounds": rounds, "iters": {w.name: w.iters for _, w in plan},
+                     "gb": "10^9 bytes", "verified": "every byte, after each timed loop"},
+        "omni_async": {"config": omni.config},
+        "nixl": {
+            mode: {"available": side.available, "reason": side.reason, "config": side.config}
+            for mode, side in nixl.items()
+        },
+        "results": results,
+        "ratios": ratios,
+        "targets": targets,
+    }

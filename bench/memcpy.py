@@ -1,0 +1,59 @@
+"""The limit: numpy copying the same blocks between two arrays in one process.
+
+:func:`time_memcpy` is the reference the ratios use: ``dst[remote] = src[local]`` (fancy
+indexing: numpy gathers the source rows into a temporary, then scatters them, so each byte is
+copied twice).  :func:`time_row_copies` copies each block once, one Python step per block; it
+is reported alongside, because a transfer that copies once can beat the fancy-index figure.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import numpy.typing as npt
+
+
+def time_memcpy(
+    src: npt.NDArray[np.uint8],
+    dst: npt.NDArray[np.uint8],
+    local: list[int],
+    remote: list[int],
+    iters: int,
+    warmup: int,
+) -> list[int]:
+    """Nanoseconds of each of ``iters`` copies of rows ``local`` of ``src`` to rows ``remote`` of ``dst``."""
+    lidx = np.asarray(local, dtype=np.intp)
+    ridx = np.asarray(remote, dtype=np.intp)
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    for i in range(warmup + iters):
+        t0 = clock()
+        dst[ridx] = src[lidx]
+        t1 = clock()
+        if i >= warmup:
+            samples.append(t1 - t0)
+    return samples
+
+
+def time_row_copies(
+    src: npt.NDArray[np.uint8],
+    dst: npt.NDArray[np.uint8],
+    local: list[int],
+    remote: list[int],
+    iters: int,
+    warmup: int,
+) -> list[int]:
+    """Like :func:`time_memcpy`, but one ``dst[r] = src[l]`` per block: each byte copied once
+    (fancy indexing copies it twice, gather then scatter), at a Python step per block."""
+    clock = time.perf_counter_ns
+    pairs = list(zip(local, remote, strict=True))
+    samples: list[int] = []
+    for i in range(warmup + iters):
+        t0 = clock()
+        for l_idx, r_idx in pairs:
+            dst[r_idx] = src[l_idx]
+        t1 = clock()
+        if i >= warmup:
+            samples.append(t1 - t0)
+    return samples

@@ -1,0 +1,34 @@
+"""Transport modes of the block rows: what each contender is told to use.
+
+``shm`` is each library's same-host choice with its defaults (omni_async: ``AgentConfig``'s
+``ucx_tls="^cma"``; NIXL: whatever its UCX backend picks, which is cma for puts).  ``tcp`` forces
+``UCX_TLS=tcp`` on both (omni_async through ``AgentConfig(ucx_tls="tcp")``, NIXL through the
+environment of its processes).  Both stay on the loopback interface (``UCX_NET_DEVICES=lo``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NET_DEVICES = "lo"
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    suffix: str
+    """Appended to workload names in result rows ("" or "_tcp")."""
+    omni_tls: str | None
+    """``AgentConfig.ucx_tls``; None keeps the default."""
+    nixl_env: dict[str, str] = field(default_factory=dict)
+
+    def omni_config(self, peer_id: str) -> dict[str, object]:
+        """Config mapping for an omni_async agent in this mode."""
+        config: dict[str, object] = {"peer_id": peer_id, "ucx_net_devices": NET_DEVICES}
+        if self.omni_tls is not None:
+            config["ucx_tls"] = self.omni_tls
+        return config
+
+
+SHM = Mode("shm", "", None, {"UCX_NET_DEVICES": NET_DEVICES})
+TCP = Mode("tcp", "_tcp", "tcp", {"UCX_NET_DEVICES": NET_DEVICES, "UCX_TLS": "tcp"})

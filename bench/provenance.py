@@ -1,0 +1,55 @@
+"""What a report was measured with: package versions and the state of the omni_async tree
+(the package is under active development; a number without its tree state means little)."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any
+
+from .procs import ROOT
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("omni_async", "ucxx-cu12", "libucx-cu12", "nixl-cu12", "numpy", "pyzmq", "uvloop"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def tree_state() -> dict[str, Any]:
+    """``{"head", "dirty_files", "diff_sha256"}`` of ``omni_async/`` (None values outside git)."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                                  timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain", "--", "omni_async")
+    diff = git("diff", "HEAD", "--", "omni_async")
+    return {
+        "head": head.strip() if head else None,
+        "dirty_files": len(status.splitlines()) if status is not None else None,
+        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else None,
+    }
+
+
+def stamp() -> dict[str, Any]:
+    """Date (UTC), command line, host and the above, for the top of a report."""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m bench", *sys.argv[1:]]),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
+        "versions": versions(),
+        "omni_async_tree": tree_state(),
+    }
