@@ -69,6 +69,10 @@ def chunk_workloads(quick: bool) -> list[ChunkWorkload]:
     return [
         ChunkWorkload("chunk_a", "latency", 1, 1, 16, 30 if quick else 500),
         ChunkWorkload("chunk_stream", "throughput", 16, 32, 16, 1 if quick else 5),
+        # The shapes: 64 requests x 100 chunks of ~8 KiB, and of ~256 KiB (fewer chunks:
+        # the sender keeps every chunk of a batch in memory).
+        ChunkWorkload("chunk_8k", "throughput", 64, 100 if not quick else 4, 5, 1 if quick else 3),
+        ChunkWorkload("chunk_256k", "throughput", 64, 8 if not quick else 2, 144, 1 if quick else 3),
     ]
 
 

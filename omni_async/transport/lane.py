@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ Arrival = Callable[[int, int, Any], None]
 """``on_arrival(tag, length, message)``: a message arrived that nobody posted a receive for."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
+_SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 _CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
@@ -182,11 +184,18 @@ class Lane:
                 self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
+            if self.expecting is not None and self.expecting() and _spin(worker):
+                continue  # something moved while we waited briefly: handle it now
             if worker.arm():
                 return
         # UCX still has work (a large transfer, or sends stuck towards a dead peer until the
         # control plane notices): come back after the loop has run its other callbacks.
         self._schedule_drive()
+
+    expecting: Callable[[], bool] | None = None
+    """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or
+    its payload).  The lane then polls the worker for up to ``_SPIN`` seconds before sleeping
+    on the event fd, which saves a wake-up per hop; an idle lane never polls."""
 
     def _take_arrivals(self) -> None:
         for tag, mask, on_arrival in self._watches:
@@ -281,6 +290,15 @@ class Lane:
         self._orphans = []
         if not self._released.done():
             self._released.set_result(None)
+
+
+def _spin(worker: Any) -> bool:
+    """Progress ``worker`` for up to ``_SPIN`` seconds; True as soon as something happened."""
+    deadline = time.perf_counter() + _SPIN
+    while time.perf_counter() < deadline:
+        if worker.progress_once():
+            return True
+    return False
 
 
 def _request_error(request: Any) -> BaseException | None:

@@ -204,6 +204,7 @@ class UcxTransport:
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
+        lane.expecting = lambda: bool(link.sent or link.expected)
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
