@@ -49,7 +49,9 @@ Arrival = Callable[[int, int, Any], None]
 """``on_arrival(tag, length, message)``: a message arrived that nobody posted a receive for."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
+_FULL_REAP_EVERY = 16  # wake-ups between scans of every pending request (the front is checked always)
 _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
+_SPIN_MISSES = 3  # fruitless spins in a row after which a lane stops spinning (retried every 64 wake-ups)
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 _CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
@@ -85,6 +87,7 @@ class Lane:
         self._pending: deque[tuple[Any, Completion, object]] = deque()
         self._watches: list[tuple[Any, Any, Arrival]] = []
         self._drive_scheduled = False
+        self._spin_misses = 0
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
@@ -179,13 +182,16 @@ class Lane:
             while worker.progress_once():
                 pass
             if self._pending:
-                self._reap(everything=round_ == 0)
+                self._reap(everything=round_ == 0 and self.wakeups % _FULL_REAP_EVERY == 0)
             if self._watches and not self._closed:
                 self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
-            if self.expecting is not None and self.expecting() and _spin(worker):
-                continue  # something moved while we waited briefly: handle it now
+            if self.expecting is not None and self._may_spin() and self.expecting():
+                if _spin(worker):
+                    self._spin_misses = 0
+                    continue  # something moved while we waited briefly: handle it now
+                self._spin_misses += 1
             if worker.arm():
                 return
         # UCX still has work (a large transfer, or sends stuck towards a dead peer until the
@@ -196,6 +202,11 @@ class Lane:
     """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or
     its payload).  The lane then polls the worker for up to ``_SPIN`` seconds before sleeping
     on the event fd, which saves a wake-up per hop; an idle lane never polls."""
+
+    def _may_spin(self) -> bool:
+        """Spinning pays only when the peer answers within the window (another core); after a
+        few misses (a peer on this thread, or a slow one) the lane stops trying for a while."""
+        return self._spin_misses < _SPIN_MISSES or self.wakeups % 64 == 0
 
     def _take_arrivals(self) -> None:
         for tag, mask, on_arrival in self._watches:
@@ -209,8 +220,8 @@ class Lane:
         """Run the completions of finished requests.
 
         Requests mostly finish in the order they were posted, so each round only pops finished
-        ones off the front (O(finished)); one full scan per wake-up catches the rest.  Scanning
-        everything every round made a 256-message write quadratic.
+        ones off the front (O(finished)); a full scan every ``_FULL_REAP_EVERY`` wake-ups catches
+        the rest.  Scanning everything every round made a 256-message write quadratic.
         """
         pending = self._pending
         finished: list[tuple[Any, Completion, object]] = []
