@@ -54,6 +54,7 @@ _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on 
 _SPIN_MISSES = 3  # fruitless spins in a row after which a lane stops spinning (retried every 64 wake-ups)
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 _CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
+_CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the peer's close
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
@@ -277,7 +278,10 @@ class Lane:
         await asyncio.shield(self._released)
 
     def _endpoint_closed(self, *_args: object) -> None:
+        # Keep answering the peer a little longer: its own close still needs this worker, and
+        # destroying it at once makes UCX log "connection reset" errors on the peer's side.
         self._endpoint_done = True
+        self._close_deadline = min(self._close_deadline, self._loop.time() + _CLOSE_LINGER)
 
     def _close_tick(self) -> None:
         if self._released.done():
@@ -285,10 +289,9 @@ class Lane:
         worker = self._worker
         while worker.progress_once():
             pass
-        if self._endpoint_done:
-            self._release()
-        elif self._loop.time() > self._close_deadline:
-            log.warning("UCX endpoint close did not finish in %ss; releasing the lane anyway", _CLOSE_GRACE)
+        if self._loop.time() > self._close_deadline:
+            if not self._endpoint_done:
+                log.warning("UCX endpoint close did not finish in %ss; releasing the lane anyway", _CLOSE_GRACE)
             self._release()
         else:
             self._loop.call_later(_CLOSE_TICK, self._close_tick)
