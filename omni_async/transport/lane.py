@@ -263,9 +263,9 @@ class Lane:
         if self._endpoint is None:
             self._release()
             return
-        self._endpoint.set_close_callback(self._endpoint_closed)
-        self._endpoint.close()
         self._close_deadline = self._loop.time() + _CLOSE_GRACE
+        self._endpoint.set_close_callback(self._endpoint_closed)
+        self._endpoint.close()  # may call _endpoint_closed at once
         self._close_tick()
 
     @property
