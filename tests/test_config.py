@@ -1,0 +1,68 @@
+"""Configuration: every source, precedence, and errors that name the field, value and rule."""
+
+import json
+
+import pytest
+
+from omni_async import ConfigError
+from omni_async.config import AgentConfig, ServiceConfig, load_config
+
+
+def test_defaults_work_on_one_machine():
+    config = load_config(environ={})
+    assert isinstance(config, AgentConfig)
+    assert config.host == "127.0.0.1" and config.port == 0 and config.ucx_tls == "^cma"
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("c.json", json.dumps({"agent": {"port": 5000}, "region": {"num_blocks": 8}})),
+        ("c.toml", "[agent]\nport = 5000\n[region]\nnum_blocks = 8\n"),
+        ("c.yaml", "agent:\n  port: 5000\nregion:\n  num_blocks: 8\n"),
+    ],
+)
+def test_files(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    config = load_config(path=path, environ={}, schema=ServiceConfig)
+    assert config.agent.port == 5000 and config.region.num_blocks == 8
+
+
+def test_precedence_file_then_data_then_environment(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[agent]\nport = 1\nhost = '0.0.0.0'\n[adapter]\nmax_in_flight = 3\n")
+    env = {"OMNI_ASYNC_AGENT__PORT": "3", "OMNI_ASYNC_AGENT__CONFIG_FIELDS": '{"model": "m"}', "OTHER": "x"}
+    config = load_config({"agent": {"port": 2}}, path=path, environ=env, schema=ServiceConfig)
+    assert config.agent.port == 3 and config.agent.host == "0.0.0.0"  # env wins, file fills the rest
+    assert config.agent.config_fields == {"model": "m"} and config.adapter.max_in_flight == 3
+
+
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ({"port": 70000}, ["port", "65535"]),
+        ({"heartbeat_timeout": -1}, ["heartbeat_timeout", "0"]),
+        ({"prot": 1}, ["prot"]),
+        ({"ucx_tls": "cma,tcp"}, ["cma", "aborts"]),
+        ({"heartbeat_interval": 5, "heartbeat_timeout": 1}, ["heartbeat_timeout", "heartbeat_interval"]),
+    ],
+)
+def test_errors_name_field_and_rule(data, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(data, environ={})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(path=tmp_path / "missing.toml", environ={})
+    bad = tmp_path / "c.ini"
+    bad.write_text("x")
+    with pytest.raises(ConfigError, match="must end in"):
+        load_config(path=bad, environ={})
+    broken = tmp_path / "c.json"
+    broken.write_text("{")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(path=broken, environ={})
