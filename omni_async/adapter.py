@@ -27,7 +27,15 @@ from typing import Any
 
 from .config import AdapterOptions
 from .connector import Connector
-from .errors import ClosedError, DeadlineExceeded, OmniAsyncError, ProtocolError, TransferCancelled
+from .errors import (
+    ClosedError,
+    DeadlineExceeded,
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+    TransferCancelled,
+    UnknownPeer,
+)
 from .serde import Payload
 from .transport import Transfer
 
@@ -134,6 +142,11 @@ class TransferAdapter:
             envelope = {"final": item.final, "cancelled": item.cancelled, "data": item.data}
             try:
                 transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), envelope)
+            except UnknownPeer:
+                self._window.release()
+                if not item.future.done():
+                    item.future.set_exception(PeerLost(f"destination {self.peer_id!r} is not connected"))
+                continue
             except (OmniAsyncError, TypeError, ValueError) as exc:
                 self._window.release()
                 if not item.future.done():

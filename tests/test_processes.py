@@ -101,3 +101,40 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spa
     agent.region.array[5] = 42
     await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
     assert (peer_region(str(tmp_path / "o"))[6] == 42).all()
+
+
+async def test_chunk_streams_across_processes_and_a_receiver_restart(make_service, spawn_peer, tmp_path):
+    """Ordered streams into another process; the receiver is killed mid-stream and replaced:
+    the sender's saves fail with PeerLost, and the same requests then stream to the new one."""
+    from .helpers.peer import chunk
+
+    tx = await make_service("tx")
+    sender = tx.adapter("s", peer_id="rx")
+    requests = [f"r{i}" for i in range(16)]
+
+    async def stream_all(rx_peer):
+        await asyncio.wait_for(tx.agent.connect(rx_peer.info["address"]), 10)
+        await tx.connector.put("rx", "plan", {"requests": requests, "chunks": 100})
+        return [sender.save_async(r, chunk(r, i), final=i == 99) for i in range(100) for r in requests]
+
+    first = await spawn_peer("streams", str(tmp_path / "a"), 1, 4096, {"peer_id": "rx"})
+    saves = await stream_all(first)
+    while sum(s.done() for s in saves) < 100:  # kill it mid-stream
+        await asyncio.sleep(0.001)
+    first.kill()
+    results = await asyncio.wait_for(asyncio.gather(*saves, return_exceptions=True), 15)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed and all(isinstance(r, PeerLost) for r in failed), {type(r) for r in failed}
+    await asyncio.wait_for(_until_gone(tx.agent, "rx"), 10)
+    for request in requests:
+        sender.cancel(request)  # the old streams are gone with the old receiver
+    second = await spawn_peer("streams", str(tmp_path / "b"), 1, 4096, {"peer_id": "rx"})
+    saves = await stream_all(second)
+    await asyncio.wait_for(asyncio.gather(*saves), 30)
+    line = await asyncio.wait_for(second.proc.stdout.readline(), 30)
+    assert json.loads(line) == {"verified": 16 * 100, "bad": 0}
+
+
+async def _until_gone(agent, peer_id):
+    while peer_id in agent.peers:
+        await asyncio.sleep(0.02)

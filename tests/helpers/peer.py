@@ -15,6 +15,12 @@
   ``reconnect`` line on stdin, connects again, writes every block once and prints
   ``{"reconnected": peer_id}``.
 
+``python -m tests.helpers.peer streams REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
+  runs a ConnectorService (the config is its ``agent`` section), prints ``{"address": ...}``,
+  then repeatedly takes a plan ``{"requests": [...], "chunks": n}`` (key ``plan``), consumes
+  every request's chunk stream (stage ``s``), checks each chunk against :func:`chunk` and
+  prints ``{"verified": chunks, "bad": count}``.
+
 ``serve`` also prints ``{"event": "joined"|"left", "peer": id, "error": ErrorType, "at": t}``
 for every peer event, and ``{"tls": ...}`` (the UCX transports in use) after its address.
 """
@@ -43,6 +49,9 @@ def say(obj: dict[str, Any]) -> None:
 
 async def main(argv: list[str]) -> None:
     role, path, num_blocks, block_len, config_json = argv[:5]
+    if role == "streams":
+        await streams(path, json.loads(config_json))
+        return
     region = region_file(path, int(num_blocks), int(block_len))
     config = load_config(json.loads(config_json), environ={})
     async with Agent(region, config) as agent:
@@ -70,6 +79,37 @@ async def main(argv: list[str]) -> None:
                 await agent.write_blocks(peer, blocks, blocks)
         elif role == "pump":
             await pump(agent, argv[5])
+
+
+def chunk(request: str, index: int) -> dict[str, Any]:
+    """The chunk ``index`` of ``request`` in ``streams`` tests (a pure function of both)."""
+    seed = sum(request.encode()) * 1000 + index
+    return {"x": np.random.default_rng(seed).integers(0, 1 << 30, 2048 + index, dtype=np.int32), "i": index}
+
+
+async def streams(path: str, config: dict[str, Any]) -> None:
+    from omni_async.config import ServiceConfig
+    from omni_async.service import ConnectorService
+
+    settings = load_config({"agent": config, "region": {"num_blocks": 1, "block_len": 4096}},
+                           environ={}, schema=ServiceConfig)
+    async with ConnectorService(settings) as svc:
+        say({"address": svc.control_address})
+        adapter = svc.adapter("s")
+        while True:
+            plan = await svc.connector.get("plan")
+            svc.connector.discard("plan")
+
+            async def check(request: str) -> tuple[int, int]:
+                seen = bad = 0
+                async for got in adapter.stream(request):
+                    want = chunk(request, got.index)
+                    bad += got.index != seen or not np.array_equal(got.data["x"], want["x"])
+                    seen += 1
+                return seen, bad
+
+            results = await asyncio.gather(*(check(r) for r in plan["requests"]))
+            say({"verified": sum(r[0] for r in results), "bad": sum(r[1] for r in results)})
 
 
 async def pump(agent: Agent, address: str) -> None:
