@@ -39,11 +39,12 @@ class Metrics:
         self._bytes_received = {kind: _BYTES.labels(agent, "received", kind) for kind in ("blocks", "messages")}
         self._latency = {kind: _LATENCY.labels(agent, kind) for kind in ("blocks", "messages")}
         self._peers = _PEERS.labels(agent)
+        self._outcomes: dict[tuple[PromCounter, str, str], PromCounter] = {}
 
     def settled(self, kind: Kind, nbytes: int, outcome: str, seconds: float) -> None:
         """A transfer this side sent settled; ``outcome`` is ``"ok"`` or an error code."""
         self._counts[f"{kind}.{outcome}"] += 1
-        _TRANSFERS.labels(self.agent, kind, outcome).inc()
+        self._child(_TRANSFERS, kind, outcome).inc()
         if outcome == "ok":
             self._counts[f"{kind}.bytes_sent"] += nbytes
             self._bytes_sent[kind].inc(nbytes)
@@ -52,10 +53,18 @@ class Metrics:
     def answered(self, kind: Kind, nbytes: int, outcome: str) -> None:
         """An incoming transfer was acknowledged (``"ok"``) or refused (an error code)."""
         self._counts[f"received.{kind}.{outcome}"] += 1
-        _RECEIVED.labels(self.agent, kind, outcome).inc()
+        self._child(_RECEIVED, kind, outcome).inc()
         if outcome == "ok":
             self._counts[f"{kind}.bytes_received"] += nbytes
             self._bytes_received[kind].inc(nbytes)
+
+    def _child(self, family: PromCounter, kind: str, outcome: str) -> PromCounter:
+        """The labelled series, looked up once (``labels()`` costs microseconds per call)."""
+        key = (family, kind, outcome)
+        child = self._outcomes.get(key)
+        if child is None:
+            child = self._outcomes[key] = family.labels(self.agent, kind, outcome)
+        return child
 
     def peer_event(self, event: str, reason: str, peers: int) -> None:
         self._counts[f"peers.{event}"] += 1
