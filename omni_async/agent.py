@@ -68,7 +68,9 @@ class Agent:
             raise ClosedError("agent is closed")
         if self._control is not None:
             return self
-        self._transport = UcxTransport(self.region, self.config, fault=self._fault, metrics=self.metrics)
+        self._transport = UcxTransport(
+            self.region, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
+        )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         try:
             await self._control.start()

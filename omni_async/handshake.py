@@ -8,6 +8,7 @@ and answers one with :func:`check_peer` (which raises the precise
 from __future__ import annotations
 
 import secrets
+import socket
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,10 +29,13 @@ class LocalIdentity:
     block_len: int
     fingerprint: str
     nonce: int = 0
+    host_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.nonce:
             object.__setattr__(self, "nonce", secrets.randbits(63) or 1)
+        if not self.host_id:
+            object.__setattr__(self, "host_id", machine_id())
 
     def hello(self, agent_metadata: bytes) -> Hello:
         return self._describe(Hello, agent_metadata)
@@ -49,6 +53,7 @@ class LocalIdentity:
             num_blocks=self.num_blocks,
             block_len=self.block_len,
             fingerprint=self.fingerprint,
+            host_id=self.host_id,
         )
 
 
@@ -63,6 +68,7 @@ class PeerInfo:
     num_blocks: int
     block_len: int
     fingerprint: str
+    host_id: str = ""
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -74,7 +80,18 @@ class PeerInfo:
             num_blocks=msg.num_blocks,
             block_len=msg.block_len,
             fingerprint=msg.fingerprint,
+            host_id=msg.host_id,
         )
+
+
+def machine_id() -> str:
+    """This machine's identity for "same host?" decisions: the kernel boot id (shared by every
+    network namespace of one kernel), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def check_peer(local: LocalIdentity, remote: Hello) -> None:

@@ -69,6 +69,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     num_blocks: Count
     block_len: Count
     fingerprint: Fingerprint
+    host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    """Identifies the sender's machine (kernel boot id): peers on one host gather writes."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -97,15 +99,21 @@ ControlMessage: TypeAlias = Hello | Welcome | Reject | Heartbeat | Bye
 
 # -- data plane headers (UCX) ----------------------------------------------------------------
 class WriteRequest(_Msg, tag="w", frozen=True):
-    """A block write: ``runs`` are ``(remote_start, count)``; run ``i`` is tagged ``seq + i``."""
+    """A block write: ``runs`` are ``(remote_start, count)``.
+
+    ``gathered``: all runs travel as one payload message tagged ``seq``; otherwise run ``i`` is
+    its own message tagged ``seq + i``.
+    """
 
     transfer_id: NonNeg
     seq: NonNeg
     runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
+    gathered: bool = True
 
 
 class MessageHeader(_Msg, tag="m", frozen=True):
-    """A chunk message: opaque ``meta`` plus frames of the given sizes, frame ``i`` tagged ``seq + i``."""
+    """A chunk message: opaque ``meta`` plus frames of the given sizes; the non-empty frames
+    travel as one payload message tagged ``seq``."""
 
     transfer_id: NonNeg
     seq: NonNeg

@@ -36,6 +36,7 @@ import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
 from ..errors import PeerLost, ProtocolError  # noqa: E402
+from . import iov  # noqa: E402
 
 for _key in [key for key in os.environ if key.startswith("UCX_") and key not in _ucx_environ]:
     del os.environ[_key]
@@ -151,6 +152,40 @@ class Lane:
         """
         self._watches.append((ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), on_arrival))
         self._schedule_drive()
+
+    def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
+        """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
+        ``done`` runs).  A single buffer goes through ucxx; several through :mod:`.iov`."""
+        if len(buffers) == 1:
+            self.send(buffers[0], tag, done)
+            return
+        if self._closed:
+            done(self._close_reason)
+            return
+        vector = iov.iov_of(buffers)
+        try:
+            handle = iov.send(self._endpoint, tag, vector)
+        except OSError as exc:
+            done(exc)
+            return
+        self._track(_RawRequest(handle), done, (buffers, vector))
+
+    def recv_arrived_many(self, buffers: list[Any], message: Any, done: Completion) -> None:
+        """Receive an arrived ``message`` scattered over ``buffers`` (their sizes must add up to
+        its length; borrowed until ``done`` runs)."""
+        if len(buffers) == 1:
+            self.recv_arrived(buffers[0], message, done)
+            return
+        if self._closed:
+            done(self._close_reason)
+            return
+        vector = iov.iov_of(buffers)
+        try:
+            handle = iov.recv(self._worker, message, vector)
+        except OSError as exc:
+            done(exc)
+            return
+        self._track(_RawRequest(handle), done, (buffers, vector, message))
 
     def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
         """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
@@ -297,6 +332,9 @@ class Lane:
             self._loop.call_later(_CLOSE_TICK, self._close_tick)
 
     def _release(self) -> None:
+        for request, _done, _keep in self._orphans:
+            if isinstance(request, _RawRequest):
+                request.release()
         self._endpoint = None
         self._worker = None
         # Requests still pending here are never progressed again, so their buffers are safe
@@ -304,6 +342,33 @@ class Lane:
         self._orphans = []
         if not self._released.done():
             self._released.set_result(None)
+
+
+class _RawRequest:
+    """A UCP request made through :mod:`.iov`, shaped like a ucxx request for the lane."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle  # 0: completed when posted
+
+    @property
+    def completed(self) -> bool:
+        return not self.handle or iov.status(self.handle) != iov.UCS_INPROGRESS
+
+    def check_error(self) -> None:
+        """Raise the request's error, if any, and release it (call once, when completed)."""
+        if not self.handle:
+            return
+        code = iov.status(self.handle)
+        self.release()
+        if code != iov.UCS_OK:
+            raise iov.error(code)
+
+    def release(self) -> None:
+        if self.handle:
+            iov.free(self.handle)
+            self.handle = 0
 
 
 def _spin(worker: Any) -> bool:

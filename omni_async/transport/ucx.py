@@ -3,8 +3,8 @@
 Protocol on a lane (tags from :mod:`omni_async.wire`):
 
 * the sender posts a header (:class:`~omni_async.wire.WriteRequest` or
-  :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message per
-  coalesced run or frame on ``data_tag(seq + i)``;
+  :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message on
+  ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
@@ -76,6 +76,8 @@ log = logging.getLogger(__name__)
 
 MAX_EARLY = 4096
 """Payload messages a lane may hold for headers it has not handled yet."""
+_GATHER_MAX_RUN = 256 * 1024
+"""Writes whose runs average less than this many bytes are gathered into one message."""
 DRAIN_TIMEOUT = 2.0
 """Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
 _DRAIN_TICK = 0.005
@@ -122,12 +124,15 @@ class _Link:
     peer: PeerInfo
     lane: Lane
     next_seq: int = 0
-    expected: dict[int, tuple[npt.NDArray[np.uint8], Completion]] = field(default_factory=dict)
-    """Payload messages announced by a header and not arrived yet: seq -> (buffer, done)."""
+    expected: dict[int, tuple[list[npt.NDArray[np.uint8]], Completion]] = field(default_factory=dict)
+    """Payload messages announced by a header and not arrived yet: seq -> (buffers, done)."""
     early: dict[int, tuple[int, Any]] = field(default_factory=dict)
     """Payload messages that arrived before their header was handled: seq -> (length, message)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
+    gather: bool = False
+    """Send each block write as one gathered message (peers on this host over shared memory:
+    measured faster; over tcp one message per run is faster, see docs/tuning.md)."""
     leaving: bool = False
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
@@ -139,17 +144,17 @@ class _Link:
         return seq
 
 
-class _Inbound:
-    """Counts the payload receives of one incoming transfer; answers once all are done."""
+class _Countdown:
+    """Calls ``finish(first error or None)`` once ``count`` parts are done."""
 
     __slots__ = ("error", "finish", "remaining")
 
-    def __init__(self, remaining: int, finish: Callable[[BaseException | None], None]) -> None:
-        self.remaining = remaining
+    def __init__(self, count: int, finish: Completion) -> None:
+        self.remaining = count
         self.error: BaseException | None = None
         self.finish = finish
 
-    def part_done(self, error: BaseException | None) -> None:
+    def done(self, error: BaseException | None) -> None:
         if error is not None and self.error is None:
             self.error = error
         self.remaining -= 1
@@ -164,8 +169,11 @@ class UcxTransport:
     it (``remove_peer``).  Chunk messages go to :attr:`message_sink` (unset: refused).
     """
 
-    def __init__(self, region: BlockRegion, config: AgentConfig, fault: FaultCallback, metrics: Metrics) -> None:
+    def __init__(
+        self, region: BlockRegion, config: AgentConfig, fault: FaultCallback, metrics: Metrics, host_id: str = ""
+    ) -> None:
         self.region = region
+        self.host_id = host_id
         self.config = config
         self.metrics = metrics
         self.message_sink: MessageSink | None = None
@@ -200,7 +208,7 @@ class UcxTransport:
         self._check_open()
         if peer.peer_id in self._links:
             raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
-        link = _Link(peer, lane)
+        link = _Link(peer, lane, gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp")
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
@@ -282,14 +290,21 @@ class UcxTransport:
         if not runs:
             transfer.set_done()
             return transfer
-        seq = link.take_seq(len(runs))
-        header = WriteRequest(transfer.id, seq, [(run.remote, run.length) for run in runs])
+        # Many small runs: one gathered message (Python cost per message dominates).  Large
+        # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
+        gather = link.gather and len(runs) > 1 and transfer.nbytes < _GATHER_MAX_RUN * len(runs)
+        seq = link.take_seq(1 if gather else len(runs))
+        header = WriteRequest(transfer.id, seq, [(run.remote, run.length) for run in runs], gather)
         on_sent = partial(self._sent, link, transfer.id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
         array = self.region.array
-        for i, run in enumerate(runs):
-            lane.send(array[run.local : run.local + run.length], data_tag(seq + i), on_sent)
+        rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs]
+        if gather:
+            lane.send_many(rows, data_tag(seq), on_sent)  # one message, gathered from the rows
+        else:
+            for i, row in enumerate(rows):
+                lane.send(row, data_tag(seq + i), on_sent)
         return transfer
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
@@ -302,13 +317,13 @@ class UcxTransport:
         views = [_byte_view(frame) for frame in frames]
         sizes = [int(view.nbytes) for view in views]
         transfer = self._new_transfer(link, sum(sizes), "messages")
-        seq = link.take_seq(len(views))
+        seq = link.take_seq(1)
         header = MessageHeader(transfer.id, seq, key, meta, sizes)
         on_sent = partial(self._sent, link, transfer.id)
         link.lane.send(encode_header(header), HEADER_TAG, on_sent)
-        for i, view in enumerate(views):
-            if view.nbytes:
-                link.lane.send(view, data_tag(seq + i), on_sent)
+        payload = [view for view in views if view.nbytes]
+        if payload:
+            link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
         return transfer
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
@@ -390,24 +405,25 @@ class UcxTransport:
             return
         self._take_payload(link, seq, length, message, *entry)
 
-    def _expect(self, link: _Link, seq: int, buffer: npt.NDArray[np.uint8], done: Completion) -> None:
-        """Receive payload message ``seq`` into ``buffer`` when it arrives (or now, if it has)."""
+    def _expect(self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion) -> None:
+        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now)."""
         early = link.early.pop(seq, None)
         if early is None:
-            link.expected[seq] = (buffer, done)
+            link.expected[seq] = (buffers, done)
         else:
-            self._take_payload(link, seq, early[0], early[1], buffer, done)
+            self._take_payload(link, seq, early[0], early[1], buffers, done)
 
     def _take_payload(
-        self, link: _Link, seq: int, length: int, message: Any, buffer: npt.NDArray[np.uint8], done: Completion
+        self, link: _Link, seq: int, length: int, message: Any, buffers: list[npt.NDArray[np.uint8]], done: Completion
     ) -> None:
-        if length != buffer.nbytes:
+        announced = sum(buffer.nbytes for buffer in buffers)
+        if length != announced:
             self._fault(
                 link.peer.peer_id,
-                ProtocolError(f"payload message {seq} has {length} bytes, its header announced {buffer.nbytes}"),
+                ProtocolError(f"payload message {seq} has {length} bytes, its header announced {announced}"),
             )
             return
-        link.lane.recv_arrived(buffer, message, done)
+        link.lane.recv_arrived_many(buffers, message, done)
 
     def _on_header(self, link: _Link, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
         if error is not None:
@@ -442,9 +458,13 @@ class UcxTransport:
             self._drain(link, req, InvalidBlocks(str(exc)))
             return
         finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
-        inbound = _Inbound(len(req.runs), finish)
-        for i, (start, count) in enumerate(req.runs):
-            self._expect(link, req.seq + i, array[start : start + count].reshape(-1), inbound.part_done)
+        rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
+        if req.gathered:
+            self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
+        else:
+            parts = _Countdown(len(rows), finish)
+            for i, row in enumerate(rows):
+                self._expect(link, req.seq + i, [row], parts.done)
 
     def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
         """Receive a refused write's payload into scratch memory, then send the refusal."""
@@ -454,9 +474,13 @@ class UcxTransport:
             self._fault(link.peer.peer_id, ProtocolError(f"refused write is too large to drain: {reason}"))
             return
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
-        inbound = _Inbound(len(req.runs), lambda _error: self._answer(link, req.transfer_id, "blocks", 0, reason))
-        for i, (_, count) in enumerate(req.runs):
-            self._expect(link, req.seq + i, np.empty(count * block_len, np.uint8), inbound.part_done)
+        refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
+        parts = _Countdown(1 if req.gathered else len(req.runs), lambda _error: refuse(reason))
+        if req.gathered:
+            self._expect(link, req.seq, [np.empty(total * block_len, np.uint8)], parts.done)
+        else:
+            for i, (_, count) in enumerate(req.runs):
+                self._expect(link, req.seq + i, [np.empty(count * block_len, np.uint8)], parts.done)
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
         try:
@@ -465,14 +489,12 @@ class UcxTransport:
             self._fault(link.peer.peer_id, exc)
             return
         frames = [np.empty(size, np.uint8) for size in hdr.frames]
-        receiving = [(i, frame) for i, frame in enumerate(frames) if frame.nbytes]
+        receiving = [frame for frame in frames if frame.nbytes]
         deliver = partial(self._deliver, link, hdr, frames, nbytes)
-        if not receiving:
+        if receiving:
+            self._expect(link, hdr.seq, receiving, deliver)  # one message scattered over the frames
+        else:
             deliver(None)
-            return
-        inbound = _Inbound(len(receiving), deliver)
-        for i, frame in receiving:
-            self._expect(link, hdr.seq + i, frame, inbound.part_done)
 
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
