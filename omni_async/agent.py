@@ -73,6 +73,7 @@ class Agent:
         )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         try:
+            await self._transport.warm_up()
             await self._control.start()
             if self.config.metrics_port:
                 serve_metrics(self.config.metrics_port, self.config.host)

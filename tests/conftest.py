@@ -22,7 +22,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # Loopback only; keep UCX on the lo interface in every test process.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-FAST = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "handshake_timeout": 2.0, "ucx_net_devices": "lo"}
+FAST = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "handshake_timeout": 5.0, "ucx_net_devices": "lo"}
 """Timings that keep liveness tests short."""
 
 

@@ -88,6 +88,7 @@ class Lane:
         self._endpoint: Any = None
         self._pending: deque[tuple[Any, Completion, object]] = deque()
         self._watches: list[tuple[Any, Any, Arrival]] = []
+        self._raw_watches: list[tuple[int, int, Arrival]] = []
         self._drive_scheduled = False
         self._spin_misses = 0
         self._closed = False
@@ -143,14 +144,18 @@ class Lane:
         request = self._endpoint.tag_send(Array(buffer), ucx_api.UCXXTag(tag))
         self._track(request, done, buffer)
 
-    def watch(self, tag: int, mask: int, on_arrival: Arrival) -> None:
+    def watch(self, tag: int, mask: int, on_arrival: Arrival, *, raw: bool = False) -> None:
         """Hand every message whose tag matches ``tag`` under ``mask`` to ``on_arrival``.
 
         Nothing stays posted for such messages, so closing the lane never leaves a UCX request
         behind (a posted receive would keep the worker alive after close).  ``on_arrival``
-        must take each message with :meth:`recv_arrived`.
+        must take each message: with :meth:`recv_arrived` (a ucxx probe result), or, for a
+        ``raw`` watch, with :meth:`recv_arrived_many` (a UCP message handle, see :mod:`.iov`).
         """
-        self._watches.append((ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), on_arrival))
+        if raw:
+            self._raw_watches.append((tag, mask, on_arrival))
+        else:
+            self._watches.append((ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), on_arrival))
         self._schedule_drive()
 
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
@@ -170,12 +175,9 @@ class Lane:
             return
         self._track(_RawRequest(handle), done, (buffers, vector))
 
-    def recv_arrived_many(self, buffers: list[Any], message: Any, done: Completion) -> None:
-        """Receive an arrived ``message`` scattered over ``buffers`` (their sizes must add up to
-        its length; borrowed until ``done`` runs)."""
-        if len(buffers) == 1:
-            self.recv_arrived(buffers[0], message, done)
-            return
+    def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
+        """Receive a message taken by a ``raw`` watch, scattered over ``buffers`` (their sizes
+        must add up to its length; borrowed until ``done`` runs)."""
         if self._closed:
             done(self._close_reason)
             return
@@ -185,7 +187,7 @@ class Lane:
         except OSError as exc:
             done(exc)
             return
-        self._track(_RawRequest(handle), done, (buffers, vector, message))
+        self._track(_RawRequest(handle), done, (buffers, vector))
 
     def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
         """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
@@ -219,7 +221,7 @@ class Lane:
                 pass
             if self._pending:
                 self._reap(everything=round_ == 0 and self.wakeups % _FULL_REAP_EVERY == 0)
-            if self._watches and not self._closed:
+            if not self._closed:
                 self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
@@ -251,6 +253,13 @@ class Lane:
                 if not message.matched:
                     break
                 on_arrival(message.sender_tag.value, message.length, message)
+        for raw_tag, raw_mask, on_raw in self._raw_watches:
+            while not self._closed:
+                found = iov.probe(self._worker, raw_tag, raw_mask)
+                if found is None:
+                    break
+                handle, sender_tag, length = found
+                on_raw(sender_tag, length, handle)
 
     def _reap(self, everything: bool) -> None:
         """Run the completions of finished requests.

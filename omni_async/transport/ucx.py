@@ -188,6 +188,11 @@ class UcxTransport:
         self._closed = False
 
     # -- peers -----------------------------------------------------------------------------
+    async def warm_up(self) -> None:
+        """Start the address-vetting child now (about half a second, once per process) rather
+        than inside the first handshake, whose timeout it would eat into."""
+        await asyncio.get_running_loop().run_in_executor(None, self._vetter.warm_up)
+
     def open_lane(self) -> Lane:
         """A fresh lane whose address goes into a handshake; pass it to :meth:`add_peer`."""
         self._check_open()
@@ -211,7 +216,7 @@ class UcxTransport:
         link = _Link(peer, lane, gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp")
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
-        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
+        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
         lane.expecting = lambda: bool(link.sent or link.expected)
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
@@ -236,8 +241,17 @@ class UcxTransport:
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
         else:
+            self._consume_early(link)
             self.discard_lane(link.lane, error)
         return True
+
+    @staticmethod
+    def _consume_early(link: _Link) -> None:
+        """Take payload messages whose header never came into scratch memory, so UCX is not
+        left holding probed messages nobody received."""
+        for length, message in link.early.values():
+            link.lane.recv_arrived_many([np.empty(length, np.uint8)], message, _ignore)
+        link.early.clear()
 
     async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
         """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
@@ -249,6 +263,7 @@ class UcxTransport:
                     break
                 await asyncio.sleep(_DRAIN_TICK)  # only while a lane drains, at most DRAIN_TIMEOUT
         finally:
+            self._consume_early(link)
             self.discard_lane(link.lane, error)
 
     def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:

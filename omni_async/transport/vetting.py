@@ -51,6 +51,14 @@ class AddressVetter:
             self.refused += 1
             raise ProtocolError(f"a {len(address)}-byte agent metadata is not a usable UCX worker address")
 
+    def warm_up(self) -> None:
+        """Start the child if it is not running (blocking; run it in an executor)."""
+        with self._lock:
+            try:
+                self._pipes()
+            except OSError as exc:  # the first check will retry and report
+                log.warning("address vetting child did not start: %r", exc)
+
     def _check_blocking(self, address: bytes) -> bool:
         with self._lock:
             try:
