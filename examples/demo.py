@@ -38,7 +38,8 @@ def main() -> int:
             f"summary:  {summary['requests']} requests, {summary['chunks']}/{summary['chunks_expected']} chunks "
             f"({summary['bad_chunks']} bad), {summary['blocks']} blocks ({summary['bad_blocks']} bad), "
             f"{summary['bytes'] / 1e6:.1f} MB; chunks {summary['chunks_per_s']}/s {summary['chunk_MBps']} MB/s, "
-            f"latency p50 {summary['latency_p50_us']} us p99 {summary['latency_p99_us']} us; "
+            f"latency (all chunks queued at once) p50 {summary['latency_p50_us']} us "
+            f"p99 {summary['latency_p99_us']} us; "
             f"blocks {summary['block_GBps']} GB/s -> {'OK' if summary['ok'] else 'FAILED'}"
         )
         return 0 if summary["ok"] and sender.returncode == 0 and receiver.returncode == 0 else 1

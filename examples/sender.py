@@ -35,10 +35,14 @@ async def main(address: str) -> int:
         rng = np.random.default_rng(5)
         local = rng.permutation(wl.NUM_BLOCKS)[:192].tolist()
         remote = rng.permutation(wl.NUM_BLOCKS)[:192].tolist()
-        started = time.perf_counter()
-        writes = [svc.agent.write_blocks(receiver, local[i : i + 64], remote[i : i + 64]) for i in range(0, 192, 64)]
-        await asyncio.gather(*writes)
-        block_seconds = time.perf_counter() - started
+        # The first write pays one-time costs (UCX wire-up, first touch of the receiver's pages):
+        # time the second, identical one.
+        for _ in range(2):
+            started = time.perf_counter()
+            await asyncio.gather(
+                *(svc.agent.write_blocks(receiver, local[i : i + 64], remote[i : i + 64]) for i in range(0, 192, 64))
+            )
+            block_seconds = time.perf_counter() - started
         gbps = round(192 * wl.BLOCK_LEN / block_seconds / 1e9, 2)
         adapter = svc.adapter(wl.STAGE, peer_id=receiver)
 
