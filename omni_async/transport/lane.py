@@ -163,27 +163,22 @@ class Lane:
         ``done`` runs).  A single buffer goes through ucxx; several through :mod:`.iov`."""
         if len(buffers) == 1:
             self.send(buffers[0], tag, done)
-            return
-        if self._closed:
-            done(self._close_reason)
-            return
-        vector = iov.iov_of(buffers)
-        try:
-            handle = iov.send(self._endpoint, tag, vector)
-        except OSError as exc:
-            done(exc)
-            return
-        self._track(_RawRequest(handle), done, (buffers, vector))
+        else:
+            self._post_raw(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
 
     def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
         """Receive a message taken by a ``raw`` watch, scattered over ``buffers`` (their sizes
         must add up to its length; borrowed until ``done`` runs)."""
+        self._post_raw(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
+
+    def _post_raw(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
+        """Post a :mod:`.iov` request over ``buffers`` and track it like a ucxx request."""
         if self._closed:
             done(self._close_reason)
             return
         vector = iov.iov_of(buffers)
         try:
-            handle = iov.recv(self._worker, message, vector)
+            handle = post(vector)
         except OSError as exc:
             done(exc)
             return
