@@ -20,6 +20,7 @@ from .modes import SHM, TCP, Mode
 from .nixl_side import DEFAULT_ERROR_HANDLING, NixlSide
 from .omni_side import OmniSide
 from .procs import ChildError, Children
+from .progress import advance, steps
 from .provenance import stamp
 from .report import ratios_and_targets
 from .shm import ShmFile, blocks_match, fill_random
@@ -85,9 +86,13 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
                     side.reason = "disabled (--no-nixl)"
                 nixl[mode.name] = side
             try:
-                for _ in range(rounds):
-                    for mode, workload in plan:
-                        await _one(mode, workload, samples, omni, nixl[mode.name], src, dst_omni, dst_nixl, dst_memcpy)
+                with steps("bench blocks", rounds * len(plan)) as progress:
+                    for _ in range(rounds):
+                        for mode, workload in plan:
+                            await _one(
+                                mode, workload, samples, omni, nixl[mode.name], src, dst_omni, dst_nixl, dst_memcpy
+                            )
+                            advance(progress, f"{workload.name} {mode.name}")
             finally:
                 await omni.close()
     finally:
