@@ -36,49 +36,47 @@ def leftover_tasks() -> list[asyncio.Task[Any]]:
 
 
 @pytest.fixture
-async def make_agent() -> AsyncIterator[Callable[..., Any]]:
-    """``await make_agent(num_blocks, block_len, **config)``: a started agent closed at teardown.
-
-    Teardown also fails the test if any task is still pending or the loop saw an error.
-    """
+async def owned() -> AsyncIterator[list[Any]]:
+    """A list to put started agents/services in: each is closed at teardown, which then fails
+    the test if any task is still pending or the loop saw an error."""
     loop = asyncio.get_running_loop()
     errors: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-    agents: list[Agent] = []
-
-    async def factory(num_blocks: int = 64, block_len: int = 4096, **config: Any) -> Agent:
-        agent = Agent(BlockRegion.allocate(num_blocks, block_len), fast_config(**config))
-        agents.append(agent)
-        return await agent.start()
-
-    yield factory
-    for agent in agents:
-        await asyncio.wait_for(agent.close(), 10)
+    objects: list[Any] = []
+    yield objects
+    for obj in objects:
+        await asyncio.wait_for(obj.close(), 15)
     await asyncio.sleep(0)
     assert leftover_tasks() == []
     assert errors == [], errors
 
 
 @pytest.fixture
-async def make_service() -> AsyncIterator[Callable[..., Any]]:
+def make_agent(owned: list[Any]) -> Callable[..., Any]:
+    """``await make_agent(num_blocks, block_len, **config)``: a started agent closed at teardown."""
+
+    async def factory(num_blocks: int = 64, block_len: int = 4096, **config: Any) -> Agent:
+        agent = Agent(BlockRegion.allocate(num_blocks, block_len), fast_config(**config))
+        owned.append(agent)
+        return await agent.start()
+
+    return factory
+
+
+@pytest.fixture
+def make_service(owned: list[Any]) -> Callable[..., Any]:
     """``await make_service(peer_id, **sections)``: a started ConnectorService closed at teardown."""
     from omni_async.config import ServiceConfig, load_config
     from omni_async.service import ConnectorService
-
-    services: list[ConnectorService] = []
 
     async def factory(peer_id: str, *, agent: dict[str, Any] | None = None, **sections: Any) -> ConnectorService:
         data = {"agent": {**FAST, "peer_id": peer_id, **(agent or {})},
                 "region": {"num_blocks": 32, "block_len": 4096}, **sections}
         service = ConnectorService(load_config(data, environ={}, schema=ServiceConfig))
-        services.append(service)
+        owned.append(service)
         return await service.start()
 
-    yield factory
-    for service in services:
-        await asyncio.wait_for(service.close(), 15)
-    await asyncio.sleep(0)
-    assert leftover_tasks() == []
+    return factory
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
