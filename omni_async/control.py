@@ -185,9 +185,9 @@ class ControlPlane:
                 dealer.curve_publickey = self._public_key.encode("ascii")
                 dealer.curve_serverkey = server_key.encode("ascii")  # type: ignore[union-attr]
             dealer.connect(endpoint)
-            await dealer.send(encode_control(self.identity.hello(agent_metadata)))
-            try:
-                reply = await asyncio.wait_for(dealer.recv(), self.config.handshake_timeout)
+            hello = encode_control(self.identity.hello(agent_metadata))
+            try:  # the send too: a DEALER whose connection was refused (CURVE) blocks on send
+                reply = await asyncio.wait_for(self._exchange(dealer, hello), self.config.handshake_timeout)
             except TimeoutError:
                 raise HandshakeTimeout(
                     f"no answer from {address} within {self.config.handshake_timeout}s"
@@ -217,6 +217,12 @@ class ControlPlane:
     def is_admitting(self, peer_id: str) -> bool:
         """True while an incoming handshake from ``peer_id`` is being admitted."""
         return peer_id in self._admitting
+
+    @staticmethod
+    async def _exchange(dealer: zmq.asyncio.Socket, message: bytes) -> bytes:
+        await dealer.send(message)
+        reply: bytes = await dealer.recv()
+        return reply
 
     async def disconnect(self, peer_id: str, reason: str = "removed") -> bool:
         """Say goodbye to ``peer_id`` and forget it (``lost`` is not called); False if unknown."""
