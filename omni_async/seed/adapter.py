@@ -18,7 +18,7 @@ import weakref
 from collections import deque
 from collections.abc import Coroutine, Mapping
 from functools import partial
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -27,7 +27,7 @@ from ..config import ServiceConfig, load_config
 from ..errors import ClosedError, DeadlineExceeded, OmniAsyncError, TransferCancelled
 from ..serde import Payload
 from ..service import ConnectorService
-from .portal import Portal
+from .portal import Facade, Portal
 
 __all__ = ["Chunk", "SyncTransferAdapter"]
 
@@ -215,7 +215,7 @@ class _AdapterEngine:
             self.receiver.cleanup(request_id)
 
 
-class SyncTransferAdapter:
+class SyncTransferAdapter(Facade):
     """The seed ``OmniTransferAdapterBase`` contract, synchronous, over a :class:`TransferAdapter`.
 
     One :class:`~omni_async.service.ConnectorService` (built from ``config``: a
@@ -272,6 +272,7 @@ class SyncTransferAdapter:
         agent = msgspec.structs.replace(config.agent, peer_id=config.agent.resolved_peer_id())
         config = msgspec.structs.replace(config, agent=agent)
         self._config = config
+        self._peer_id = agent.peer_id
         engine = _AdapterEngine(config, stage, destination, source, use_uvloop)
         self._engine = engine
         self._portal = engine.portal
@@ -283,30 +284,13 @@ class SyncTransferAdapter:
             raise
         self._address = service.control_address
 
-    def __repr__(self) -> str:
-        state = "closed" if self._portal.closed else f"at {self._address}"
-        return f"<SyncTransferAdapter {self.peer_id!r} stage={self.stage!r} {state}>"
+    def _describe(self) -> str:
+        return f"{self.peer_id!r} stage={self.stage!r}"
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
-
-    # -- extras: identity and peers ----------------------------------------------------------
-    @property
-    def peer_id(self) -> str:
-        """This side's agent id (what a peer's ``destination`` / ``source`` names)."""
-        return self._config.agent.peer_id
-
+    # -- extras (and peer_id, control_address, loop): identity and peers ----------------------
     @property
     def stage(self) -> str:
         return self._engine.stage
-
-    @property
-    def control_address(self) -> str:
-        """``tcp://host:port`` (with ``?key=`` under CURVE) that a peer passes to :meth:`connect`."""
-        return self._address
 
     @property
     def destination(self) -> str | None:
@@ -319,11 +303,6 @@ class SyncTransferAdapter:
         """The underlying service.  Touch it only on :attr:`loop` (e.g. ``run_coroutine_threadsafe``)."""
         assert self._engine.service is not None
         return self._engine.service
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop the service runs on, in this adapter's daemon thread."""
-        return self._portal.loop
 
     def connect(self, address: str, timeout: float | None = None) -> str:
         """Handshake with the service at ``address``; return its peer id.  Blocks (bounded).
@@ -462,8 +441,7 @@ class SyncTransferAdapter:
         """Drain queued saves (up to ``adapter.drain_timeout``), fail the rest, close the service
         to its end and join the loop thread.  Idempotent; afterwards the other methods raise
         :class:`ClosedError`."""
-        self._portal.check_caller()
-        self._finalizer()
+        self._stop()
 
     # -- helpers -------------------------------------------------------------------------------
     def _wait(self, coro: Coroutine[Any, Any, T], timeout: float | None, what: str) -> T:

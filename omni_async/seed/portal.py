@@ -20,13 +20,14 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar, cast
+from typing import Any, Self, TypeVar, cast
 
 from ..errors import ClosedError, DeadlineExceeded
 from ..eventloop import new_event_loop
 
-__all__ = ["NEWS_WAIT_S", "Portal"]
+__all__ = ["NEWS_WAIT_S", "Facade", "Portal"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,52 @@ class Portal:
                 await close()
         finally:
             self.loop.stop()
+
+
+class Facade:
+    """What both seed facades share: a :class:`Portal`, a finalizer that stops it, ``with`` support.
+
+    A subclass sets ``_portal`` and ``_finalizer`` (a :func:`weakref.finalize` of its engine's
+    shutdown, so an unreferenced facade is stopped too) and describes itself in ``_describe``.
+    """
+
+    _portal: Portal
+    _finalizer: weakref.finalize[Any, Any]
+    _address: str
+    _peer_id: str
+
+    def __repr__(self) -> str:
+        state = "closed" if self._portal.closed else f"at {self._address}"
+        return f"<{type(self).__name__} {self._describe()} {state}>"
+
+    def _describe(self) -> str:
+        return ""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the facade's core runs on, in its daemon thread."""
+        return self._portal.loop
+
+    @property
+    def peer_id(self) -> str:
+        """This side's agent-level id (what a peer's metadata, ``destination`` or ``source`` names)."""
+        return self._peer_id
+
+    @property
+    def control_address(self) -> str:
+        """``tcp://host:port`` (``?key=`` and this side's public key under CURVE) peers dial."""
+        return self._address
+
+    def _stop(self) -> None:
+        """Stop the portal (idempotent); refused on the loop's own thread."""
+        self._portal.check_caller()
+        self._finalizer()
 
 
 async def _boxed(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:

@@ -24,7 +24,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -46,7 +46,7 @@ from ..errors import (
 from ..region import BlockRegion, config_fingerprint
 from ..transport import CancelMode, Transfer
 from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
-from .portal import Portal
+from .portal import Facade, Portal
 
 __all__ = ["PollResult", "SyncDataTransport"]
 
@@ -280,7 +280,7 @@ class _Engine:
                 await agent.wait_for_peer(core_id, timeout=wait)
 
 
-class SyncDataTransport:
+class SyncDataTransport(Facade):
     """The seed ``DataTransport`` contract, synchronous, backed by an :class:`Agent` on its own loop.
 
     Construction:
@@ -326,6 +326,7 @@ class SyncDataTransport:
         self._num_blocks, self._block_len = int(shape[0]), int(shape[1])
         self._config_fingerprint = config_fingerprint(config.config_fields)
         self._config = config
+        self._peer_id = config.peer_id
         self._last_error: OmniAsyncError | None = None
         engine = _Engine(config, use_uvloop)
         self._engine = engine
@@ -339,15 +340,8 @@ class SyncDataTransport:
         self._address = _dialable(agent.control_address, advertise_host)
         self._metadata = encode_agent_metadata(AgentCard(self._address, config.peer_id, self._config_fingerprint))
 
-    def __repr__(self) -> str:
-        state = "closed" if self._portal.closed else f"at {self._address}"
-        return f"<SyncDataTransport {self.peer_id!r} {self._num_blocks}×{self._block_len} {state}>"
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def _describe(self) -> str:
+        return f"{self.peer_id!r} {self._num_blocks}×{self._block_len}"
 
     # -- the seed's properties ------------------------------------------------------------------
     @property
@@ -370,27 +364,12 @@ class SyncDataTransport:
         """Seed-identical content hash of ``config_fields`` (hex, 16 chars); ``""`` = always compatible."""
         return self._config_fingerprint
 
-    # -- extras ---------------------------------------------------------------------------------
-    @property
-    def peer_id(self) -> str:
-        """This side's agent-level id (carried in the metadata; not the caller's peer ids)."""
-        return self._config.peer_id
-
-    @property
-    def control_address(self) -> str:
-        """The ``tcp://host:port`` (``?key=`` and the public key under CURVE) in :meth:`get_agent_metadata`."""
-        return self._address
-
+    # -- extras (and peer_id, control_address, loop) --------------------------------------------
     @property
     def agent(self) -> Agent:
         """The underlying agent.  Touch it only on :attr:`loop` (e.g. ``run_coroutine_threadsafe``)."""
         assert self._engine.agent is not None
         return self._engine.agent
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop the agent runs on, in this transport's daemon thread."""
-        return self._portal.loop
 
     @property
     def last_error(self) -> OmniAsyncError | None:
@@ -541,8 +520,7 @@ class SyncDataTransport:
         workers released, the control socket closed): afterwards the port is free.  Idempotent.
         Afterwards every other method raises :class:`ClosedError`.
         """
-        self._portal.check_caller()
-        self._finalizer()
+        self._stop()
 
     @property
     def _wait_budget(self) -> float:
