@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -459,3 +460,45 @@ def test_cancel_wait_and_immediate_then_peer_death(make_transport, child):
     assert poll_until(t, {doomed}) == PollResult([], [doomed])
     assert isinstance(t.failure_reason(doomed), OmniAsyncError)
     assert t.write_blocks("child", [0], [0]) is None
+
+
+# -- a caller that never sleeps -----------------------------------------------------------------------
+def busy(seconds: float) -> None:
+    """Pure-Python work that holds the GIL for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.0002], ids=["tight", "per-step"])
+def test_a_caller_that_polls_without_sleeping_does_not_starve_the_loop(make_transport, step_s):
+    """The seed's poll loop with no sleep (or 200 µs of pure-Python work per poll) in the caller.
+
+    The loop thread releases the GIL on every epoll and ctypes call; from a caller that never
+    blocks it gets it back only after the switch interval.  Raised to 100 ms here, 20 writes
+    with a starved loop take well over a second; ``poll()`` waiting for news keeps them fast.
+    """
+    mem_a = block_memory(seed=21)
+    a = make_transport(mem_a, "tight-a")
+    b_mem = block_memory()
+    b = make_transport(b_mem, "tight-b")
+    a.add_remote_peer("B", *peer_args(b))
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.1)
+    try:
+        start = time.perf_counter()
+        for i in range(20):
+            tid = a.write_blocks("B", [i], [NUM_BLOCKS - 1 - i])
+            assert tid is not None
+            while True:
+                busy(step_s)
+                result = a.poll()
+                if tid in result.done:
+                    break
+                assert tid not in result.failed, a.failure_reason(tid)
+                assert time.perf_counter() - start < DEADLINE_S, "the write never completed"
+        elapsed = time.perf_counter() - start
+    finally:
+        sys.setswitchinterval(previous)
+    assert elapsed < 1.0, f"20 writes took {elapsed:.2f}s"
+    assert np.array_equal(b_mem[NUM_BLOCKS - 20:][::-1], mem_a[:20])
