@@ -502,3 +502,47 @@ def test_a_caller_that_polls_without_sleeping_does_not_starve_the_loop(make_tran
         sys.setswitchinterval(previous)
     assert elapsed < 1.0, f"20 writes took {elapsed:.2f}s"
     assert np.array_equal(b_mem[NUM_BLOCKS - 20:][::-1], mem_a[:20])
+
+
+# -- close under a stopped peer ------------------------------------------------------------------------
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def control_port(t: SyncDataTransport) -> int:
+    return int(t.control_address.rpartition(":")[2].partition("?")[0])
+
+
+def test_close_under_a_stopped_peer_is_bounded_and_complete(child):
+    """A peer that stops answering (SIGSTOP) with a write in flight: ``close()`` returns in bounded
+    time, and only after the agent's own close (lane drain, endpoint-close grace) finished: its
+    loop thread is gone, the port can be bound again, and the process holds no more file
+    descriptors than before the transport existed."""
+    c = child("stop-c")
+    warm = SyncDataTransport(memoryview(block_memory()), config=config("stop-warm"))  # UCX's lazy globals
+    try:
+        pair_with_child(warm, c)
+        assert poll_until(warm, {warm.write_blocks("child", [0], [0])}).done
+    finally:
+        warm.close()
+    baseline_fds, baseline_threads = open_fds(), set(threading.enumerate())
+
+    t = SyncDataTransport(memoryview(block_memory(seed=15)), config=config("stop-p"))
+    port = control_port(t)
+    pair_with_child(t, c)
+    c.signal(signal.SIGSTOP)
+    try:
+        everything = list(range(NUM_BLOCKS))
+        tid = t.write_blocks("child", everything, everything)
+        assert tid is not None and t.poll() == PollResult([], [])
+        _, elapsed = timed(t.close)
+        assert elapsed < 30.0
+        assert set(threading.enumerate()) <= baseline_threads
+        again = SyncDataTransport(memoryview(block_memory()), config=config("stop-again", port=port))
+        assert control_port(again) == port
+        again.close()
+        if open_fds() != baseline_fds:
+            pytest.xfail("transport: a lane whose endpoint close cannot finish (peer stopped, sends pending) "
+                         "is released after its grace but keeps its UCX worker (shm segments, epoll, sockets)")
+    finally:
+        c.signal(signal.SIGCONT)
