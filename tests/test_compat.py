@@ -27,12 +27,15 @@ from omni_async import (
     AgentConfig,
     ClosedError,
     FingerprintMismatch,
+    HandshakeRejected,
+    HandshakeTimeout,
     LayoutMismatch,
     OmniAsyncError,
     PeerLost,
     ProtocolError,
 )
-from omni_async.compat import PollResult, SyncDataTransport
+from omni_async.auth import generate_keypair
+from omni_async.compat import PollResult, SyncDataTransport, decode_agent_metadata
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -546,3 +549,28 @@ def test_close_under_a_stopped_peer_is_bounded_and_complete(child):
                          "is released after its grace but keeps its UCX worker (shm segments, epoll, sockets)")
     finally:
         c.signal(signal.SIGCONT)
+
+
+# -- CURVE ----------------------------------------------------------------------------------------------
+def test_the_pair_works_with_curve_and_refuses_a_stranger(make_transport):
+    """With CURVE on, the metadata carries this side's public key (``?key=``); the pair joins both
+    ways and writes; a transport whose key is not allow-listed cannot join."""
+    a_pub, a_sec = generate_keypair()
+    b_pub, b_sec = generate_keypair()
+    mem_a, mem_b = block_memory(seed=16), block_memory()
+    a = make_transport(mem_a, "curve-a", curve_secret_key=a_sec, curve_allowed_keys=[b_pub])
+    b = make_transport(mem_b, "curve-b", curve_secret_key=b_sec, curve_allowed_keys=[a_pub])
+    card = decode_agent_metadata(a.get_agent_metadata())
+    assert card.address == a.control_address and card.address.endswith(f"?key={a_pub}")
+    connect_both_ways(a, "A", b, "B")
+    ta, tb = a.write_blocks("B", [1, 2], [3, 4]), b.write_blocks("A", [5], [6])
+    assert ta is not None and tb is not None
+    assert poll_until(a, {ta}).done == [ta] and poll_until(b, {tb}).done == [tb]
+    assert np.array_equal(mem_b[3:5], mem_a[1:3]) and np.array_equal(mem_a[6], mem_b[5])
+
+    s_pub, s_sec = generate_keypair()  # allows a, but a does not allow it
+    stranger = make_transport(block_memory(), "curve-0", curve_secret_key=s_sec, curve_allowed_keys=[a_pub],
+                              handshake_timeout=0.5)
+    with pytest.raises((HandshakeTimeout, HandshakeRejected)):
+        stranger.add_remote_peer("A", *peer_args(a))
+    assert stranger.write_blocks("A", [0], [0]) is None
