@@ -507,6 +507,19 @@ def test_a_caller_that_polls_without_sleeping_does_not_starve_the_loop(make_tran
     assert np.array_equal(b_mem[NUM_BLOCKS - 20:][::-1], mem_a[:20])
 
 
+
+def test_polling_with_nothing_in_flight_never_waits(make_transport):
+    """``poll()`` waits for news only while transfers are in flight: an idle poll returns at once."""
+    a = make_transport(block_memory(), "idle-a")
+    b = make_transport(block_memory(), "idle-b")
+    a.add_remote_peer("B", *peer_args(b))
+    tid = a.write_blocks("B", [0], [0])
+    assert poll_until(a, {tid}).done == [tid]
+    start = time.perf_counter()
+    for _ in range(500):
+        assert a.poll() == PollResult([], []) and a.poll("B") == PollResult([], [])
+    assert time.perf_counter() - start < 0.5  # waiting even 1 ms per poll would take 1 s
+
 # -- close under a stopped peer ------------------------------------------------------------------------
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))

@@ -150,9 +150,11 @@ class Portal:
         """Release the GIL (and :attr:`lock`) until :meth:`notify` or :data:`NEWS_WAIT_S` passed.
 
         Caller's thread, with :attr:`lock` held; the caller re-reads its books afterwards.
-        Call it only when work is outstanding and nothing new was found.
+        Call it only when work is outstanding and nothing new was found.  On the loop's own
+        thread it returns at once (nothing could settle while it waited).
         """
-        self._news.wait(NEWS_WAIT_S)
+        if threading.current_thread() is not self.thread:
+            self._news.wait(NEWS_WAIT_S)
 
     # -- stopping --------------------------------------------------------------------------------
     def stop(self, close: Callable[[], Coroutine[Any, Any, None]] | None, timeout: float) -> None:
