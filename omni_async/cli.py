@@ -6,6 +6,8 @@ Commands (``omni-async COMMAND --help`` explains each):
 * ``recv``: serve a ConnectorService, print its address, report every chunk received, until Ctrl-C;
 * ``send ADDRESS``: connect to a ``recv``, write KV blocks, stream chunks, print a summary;
 * ``bench``: run ``python -m bench ...`` from the checkout;
+* ``top [TARGET]``: a live view of a service's peers, throughput, failures and streams, read from
+  its metrics endpoint (``--once --json``: one snapshot);
 * ``keygen``: a ZeroMQ CURVE key pair for ``agent.curve_secret_key`` / ``curve_allowed_keys``;
 * ``config check [FILE]``: load a config like a service would and print the effective values,
   or the error naming the field and value; ``config docs``: the field reference.
@@ -453,6 +455,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return _run_child([sys.executable, "-m", "bench", *extra], root, args.timeout)
 
 
+# -- command: top -------------------------------------------------------------------------------
+def cmd_top(args: argparse.Namespace) -> int:
+    from . import top
+    from .config import ServiceConfig, load_config
+    from .errors import ConfigError
+
+    target = args.target
+    if target is None:
+        try:
+            agent = load_config(path=args.config, schema=ServiceConfig).agent
+        except ConfigError as exc:
+            _err(f"config error: {exc}")
+            return EXIT_FAILED
+        if not agent.metrics_port:
+            _err("no metrics endpoint: give PORT, HOST:PORT or a URL, or a config with agent.metrics_port")
+            return EXIT_USAGE
+        host = "127.0.0.1" if agent.host in ("0.0.0.0", "*", "::", "[::]") else agent.host
+        target = f"{host}:{agent.metrics_port}"
+    if args.json and not args.once:
+        _err("--json needs --once (the live view is for terminals)")
+        return EXIT_USAGE
+    try:
+        return top.run(top.metrics_url(target), interval=args.interval, window=args.window, once=args.once,
+                       as_json=args.json)
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how one leaves the live view
+
+
 # -- command: keygen -------------------------------------------------------------------------------
 def cmd_keygen(args: argparse.Namespace) -> int:
     from .auth import generate_keypair
@@ -884,6 +914,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=_seconds, default=None, help="stop the benchmark after this many seconds")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for python -m bench")
     bench.set_defaults(func=cmd_bench)
+
+    top = sub.add_parser(
+        "top", help="live view of a service: peers, throughput, failures, streams (from its metrics port)",
+        description="Scrape a service's Prometheus endpoint (agent.metrics_port) every --interval seconds and "
+                    "show, per agent: peers (lane kind, state, heartbeat age, in flight, send/recv bytes/s, "
+                    "transfers/s over --window seconds), failures by reason, peers joined/left and chunk "
+                    "streams active/stalled.  Ctrl-C quits.  See docs/observability.md.")
+    top.add_argument("target", nargs="?", help="PORT, HOST:PORT or URL of /metrics (default: agent.metrics_port "
+                     "and agent.host of --config / OMNI_ASYNC_* variables)")
+    top.add_argument("--config", metavar="FILE", help="ServiceConfig file to take the metrics port from")
+    top.add_argument("--interval", type=_seconds, default=1.0, help="seconds between scrapes (1)")
+    top.add_argument("--window", type=_seconds, default=3.0, help="seconds the rates are averaged over (3)")
+    top.add_argument("--once", action="store_true", help="print one snapshot (two scrapes --interval apart) and exit")
+    top.add_argument("--json", action="store_true", help="with --once: print the snapshot as one JSON object")
+    top.set_defaults(func=cmd_top)
 
     keygen = sub.add_parser("keygen", help="print a new ZeroMQ CURVE key pair",
                             description="Print a new CURVE key pair (Z85).  The secret key goes in this side's "
