@@ -574,6 +574,8 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
 
     results: list[bool] = []
     finished = asyncio.Event()
+    bars = _Progress(args.progress == "always" or (
+        args.progress == "auto" and not args.json and sys.stderr.isatty() and (args.quiet or not sys.stdout.isatty())))
     tasks: set[asyncio.Task[None]] = set()
 
     async with ConnectorService(config) as svc:
@@ -600,7 +602,7 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
             totals = {"chunks": 0, "bytes": 0, "bad": 0}
             errors: list[str] = []
 
-            async def consume(request_id: str) -> None:
+            async def consume(request_id: str, advance: Callable[[int], None]) -> None:
                 try:
                     async for chunk in adapter.stream(request_id):
                         data = chunk.data.get("data")
@@ -609,6 +611,7 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                         totals["chunks"] += 1
                         totals["bytes"] += nbytes
                         totals["bad"] += not ok
+                        advance(nbytes)
                         if not args.quiet:
                             say("chunk", f"  chunk {request_id} #{chunk.index} {nbytes} B "
                                 f"{'ok' if ok else 'BAD'}{' final' if chunk.final else ''}",
@@ -617,7 +620,9 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                 except OmniAsyncError as exc:
                     errors.append(f"{request_id}: {type(exc).__name__}: {exc}")
 
-            await asyncio.gather(*(consume(r) for r in manifest.requests))
+            label = f"receiving {manifest.session} from {peer}"
+            with bars.task(label, len(manifest.requests) * manifest.chunks * manifest.chunk_bytes) as advance:
+                await asyncio.gather(*(consume(r, advance) for r in manifest.requests))
             seconds = time.perf_counter() - started
             expected = len(manifest.requests) * manifest.chunks
             ok = not errors and totals["bad"] == 0 and bad_blocks == 0 and totals["chunks"] == expected
@@ -671,17 +676,18 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
             address=address, bound=svc.control_address, peer_id=svc.agent.peer_id,
             num_blocks=svc.region.num_blocks, block_len=svc.region.block_len)
         reason = "sessions"
-        try:
-            async with asyncio.timeout(args.duration):
-                await finished.wait()
-        except TimeoutError:
-            reason = "duration"
-        except asyncio.CancelledError:  # Ctrl-C / SIGTERM: the normal way to stop a receiver
-            reason = "signal"
-        finally:
-            for task in list(tasks):
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        with bars:
+            try:
+                async with asyncio.timeout(args.duration):
+                    await finished.wait()
+            except TimeoutError:
+                reason = "duration"
+            except asyncio.CancelledError:  # Ctrl-C / SIGTERM: the normal way to stop a receiver
+                reason = "signal"
+            finally:
+                for task in list(tasks):
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
     ok = all(results)
     say("stopped", f"stopped ({reason}): {len(results)} sessions, {sum(results)} ok", reason=reason,
         sessions=len(results), ok_sessions=sum(results), ok=ok)
@@ -703,20 +709,54 @@ def cmd_send(args: argparse.Namespace) -> int:
     return _run_async(_send(args, config))
 
 
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on stderr (bytes, rate, ETA) when enabled; yields ``advance(nbytes)``."""
-    if not enabled:
-        yield lambda _n: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+class _Progress:
+    """Rich progress bars on stderr (bytes, rate, ETA), one per running task; nothing when disabled.
 
-    columns = (TextColumn("sending"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("send", total=total)
-        yield lambda n: bar.advance(task, n)
+    Use it around the command (``with _Progress(enabled) as bars``); ``with bars.task(label,
+    total) as advance`` shows one bar until the block ends (bars vanish when done).  Lines the
+    command prints to stdout are left alone (no redirection); diagnostics on stderr appear above.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self._bars: Any = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                                  transient=True, redirect_stdout=False)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._bars is not None and self._bars.live.is_started:
+            self._bars.stop()
+
+    @contextlib.contextmanager
+    def task(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
+        """One bar of ``total`` bytes; yields ``advance(nbytes)``."""
+        bars = self._bars
+        if bars is None:
+            yield lambda _n: None
+            return
+        if not bars.tasks:  # the display runs only while a bar is up (an empty one eats a line)
+            bars.start()
+        task = bars.add_task(label, total=total)
+        try:
+            yield lambda n: bars.advance(task, n)
+        finally:
+            bars.remove_task(task)
+            if not bars.tasks:
+                bars.stop()
 
 
 def _summary_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -791,7 +831,7 @@ async def _send(args: argparse.Namespace, config: Any) -> int:
             adapter = svc.adapter(args.stage, peer_id=peer)
             latencies: list[float] = []
 
-            with _progress(show_progress, total_bytes) as advance:
+            with _Progress(show_progress) as bars, bars.task("sending", total_bytes) as advance:
                 def acked(sent_at: float, future: asyncio.Future[None]) -> None:
                     if not future.cancelled() and future.exception() is None:
                         latencies.append(time.perf_counter() - sent_at)
@@ -885,6 +925,9 @@ def build_parser() -> argparse.ArgumentParser:
     recv.add_argument("--quiet", action="store_true", help="no line per chunk: only sessions and summaries")
     recv.add_argument("--sessions", type=_count, default=0, help="exit after this many sessions (0: never)")
     recv.add_argument("--duration", type=_seconds, default=None, help="exit after this many seconds")
+    recv.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                      help="a progress bar per session on stderr: auto = when stderr is a terminal, not --json, "
+                           "and the chunk lines are off (--quiet) or stdout is not a terminal")
     recv.set_defaults(func=cmd_recv)
 
     send = sub.add_parser(

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from omni_async import DeadlineExceeded, top
 
+if TYPE_CHECKING:
+    from tests.helpers.terminal import Tmux
+
 pytestmark = pytest.mark.timeout(60)
+pytest_plugins = ["tests.helpers.terminal"]  # the tmux fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "omni_async.cli"]
@@ -81,31 +82,12 @@ def test_once_without_an_endpoint_fails_with_the_reason() -> None:
 
 
 # -- as a person sees it: the live view in a terminal -----------------------------------------------
-@pytest.fixture
-def tmux() -> Iterator[list[str]]:
-    """A private tmux server (its own socket), killed afterwards; yields the command prefix."""
-    if shutil.which("tmux") is None:
-        pytest.skip("tmux is not installed (apt-get install -y tmux): the live view cannot be watched")
-    prefix = ["tmux", "-L", f"omni-top-test-{os.getpid()}"]
-    yield prefix
-    subprocess.run([*prefix, "kill-server"], capture_output=True, timeout=10)
-
-
 _RECV_ROW = re.compile(r"^\s*tx\s+(\S+)\s+(\S+)\s+([\d.]+)s ago\s+(\d+)\s+\S+ \S*B/s\s+([\d.]+) (\S*)B/s\s+([\d.]+)\s*$")
 
 
-async def test_live_view_in_tmux_shows_the_peer_and_a_moving_throughput(
-    live_pair: tuple[int, Any], tmux: list[str]
-) -> None:
+async def test_live_view_in_tmux_shows_the_peer_and_a_moving_throughput(live_pair: tuple[int, Any], tmux: Tmux) -> None:
     port, _ = live_pair
-    env = f"PYTHONPATH={ROOT} UCX_NET_DEVICES=lo"
-    command = f"env {env} {sys.executable} -m omni_async.cli top {port} --interval 0.3 --window 1"
-    subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", "120", "-y", "30", command], check=True,
-                   timeout=10, cwd=ROOT)
-
-    def pane() -> str:
-        return subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout
+    tmux.run("top", "top", str(port), "--interval", "0.3", "--window", "1", width=120)
 
     def tx_row(text: str) -> re.Match[str] | None:
         return next((m for line in text.splitlines() if (m := _RECV_ROW.match(line))), None)
@@ -115,7 +97,7 @@ async def test_live_view_in_tmux_shows_the_peer_and_a_moving_throughput(
     async with asyncio.timeout(30):
         while len({m.group(7) for m in seen}) < 2:  # the transfers/s figure moved
             await asyncio.sleep(0.4)
-            screen = await asyncio.to_thread(pane)
+            screen = await asyncio.to_thread(tmux.screen, "top")
             row = tx_row(screen)
             if row is not None and float(row.group(5)) > 0:
                 seen.append(row)
