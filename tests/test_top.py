@@ -81,6 +81,16 @@ def test_once_without_an_endpoint_fails_with_the_reason() -> None:
     assert answer["ok"] is False and str(port) in answer["error"]
 
 
+def test_top_needs_an_endpoint_and_json_needs_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_async import cli
+
+    monkeypatch.delenv("OMNI_ASYNC_AGENT__METRICS_PORT", raising=False)
+    assert cli.main(["top", "--once"]) == cli.EXIT_USAGE  # the default config has no metrics port
+    assert "agent.metrics_port" in capsys.readouterr().err
+    assert cli.main(["top", "9", "--json"]) == cli.EXIT_USAGE
+    assert "--json needs --once" in capsys.readouterr().err
+
+
 # -- as a person sees it: the live view in a terminal -----------------------------------------------
 _RECV_ROW = re.compile(r"^\s*tx\s+(\S+)\s+(\S+)\s+([\d.]+)s ago\s+(\d+)\s+\S+ \S*B/s\s+([\d.]+) (\S*)B/s\s+([\d.]+)\s*$")
 
