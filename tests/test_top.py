@@ -147,6 +147,18 @@ async def test_in_flight_and_per_peer_series(make_agent: Any) -> None:
     assert agent.peers == {} and agent.peers_left == 1
 
 
+async def test_an_empty_write_is_neither_in_flight_nor_a_failure(make_agent: Any) -> None:
+    port = free_port()
+    a = await make_agent(peer_id="ea", metrics_port=port, transfer_timeout=0.3)
+    b = await make_agent(peer_id="eb")
+    await a.connect(b.control_address)
+    await asyncio.wait_for(a.write_blocks("eb", [], []), 5)
+    assert (await scrape(port)).agents["ea"].peers["eb"].in_flight == 0
+    await asyncio.sleep(0.5)  # past transfer_timeout: no deadline fires for it
+    assert (await scrape(port)).agents["ea"].failures["sent"] == {}
+    assert a.stats()["blocks.ok"] == 1 and "blocks.deadline" not in a.stats()
+
+
 async def test_streams_active_then_stalled(make_service: Any) -> None:
     port = free_port()
     svc = await make_service("sa", agent={"metrics_port": port}, adapter={"stall_timeout": 0.3})

@@ -307,7 +307,7 @@ class UcxTransport:
         block_len = self.region.block_len
         transfer = self._new_transfer(link, len(local_idxs) * block_len, "blocks")
         if not runs:
-            transfer.set_done()
+            self._settle(link, transfer.id, None)  # nothing to move: done, and not left in flight
             return transfer
         # Many small runs: one gathered message (Python cost per message dominates).  Large
         # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
