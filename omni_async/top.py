@@ -179,13 +179,14 @@ class Rates:
 
 # -- rendering -----------------------------------------------------------------------------------
 def _size(value: float | None, unit: str) -> str:
+    """``1.3 GB/s``-style text (decimal prefixes); a dash for an unknown value."""
     if value is None:
         return "–"
-    for prefix in ("", "K", "M", "G", "T"):
-        if abs(value) < 1000 or prefix == "T":
-            return f"{value:.0f} {unit}" if not prefix else f"{value:.1f} {prefix}{unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
+    prefixes = ["", "K", "M", "G", "T"]
+    prefix = prefixes.pop(0)
+    while abs(value) >= 1000 and prefixes:
+        value, prefix = value / 1000, prefixes.pop(0)
+    return f"{value:.1f} {prefix}{unit}" if prefix else f"{value:.0f} {unit}"
 
 
 def render(view: dict[str, Any], source: str, error: str | None = None) -> RenderableType:
