@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     chunks.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     chunks.add_argument("--quick", action="store_true", help="few iterations: a smoke run")
     chunks.add_argument("--tcp", action="store_true", help="only the UCX_TLS=tcp rows")
+    chunks.add_argument("--no-zmq", action="store_true", help="skip the pyzmq + msgspec baseline")
 
     idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
     idle.add_argument("--seconds", type=float, default=10.0)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         from .chunks import run_chunks
         from .chunks import table as chunk_table
 
-        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp")))
+        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp"), zmq=not args.no_zmq))
         _emit(result, chunk_table(result), args.json)
     elif args.command == "idle":
         from .idle import run_idle, table

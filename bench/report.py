@@ -24,7 +24,8 @@ TARGETS: tuple[tuple[str, str, float, str], ...] = (
 """(row, ratio, threshold, description): issue 9's targets for ``blocks``."""
 
 
-def _ratio(kind: str, mine: dict[str, float], other: dict[str, float] | None) -> float | None:
+def speed_ratio(kind: str, mine: dict[str, float], other: dict[str, float] | None) -> float | None:
+    """``mine``'s speed over ``other``'s (see the module doc), rounded; None without ``other``."""
     if other is None:
         return None
     return round(speed(kind, mine) / speed(kind, other), 3)
@@ -41,15 +42,15 @@ def ratios_and_targets(
     """
     ratios: dict[str, Any] = {
         row: {
-            "vs_nixl": _ratio(r["kind"], r["omni_async"], r["nixl"]),
-            "vs_memcpy": _ratio(r["kind"], r["omni_async"], r["memcpy"]),
-            "vs_rows": _ratio(r["kind"], r["omni_async"], r["memcpy_rows"]),
+            "vs_nixl": speed_ratio(r["kind"], r["omni_async"], r["nixl"]),
+            "vs_memcpy": speed_ratio(r["kind"], r["omni_async"], r["memcpy"]),
+            "vs_rows": speed_ratio(r["kind"], r["omni_async"], r["memcpy_rows"]),
         }
         for row, r in results.items()
     }
     for row, c in (compat or {}).items():
         of = results[c["of"]]
-        modes = {f"vs_async_{poll}": _ratio(c["kind"], c[poll], of["omni_async"]) for poll in ("tight", "step")}
+        modes = {f"vs_async_{poll}": speed_ratio(c["kind"], c[poll], of["omni_async"]) for poll in ("tight", "step")}
         ratios[row] = {"vs_async": min(v for v in modes.values() if v is not None), **modes}
     targets = {}
     for row, key, threshold, text in TARGETS:
