@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         opts = Options(
             quick=args.quick, iters=args.iters, rounds=args.rounds, nixl=not args.no_nixl, compat=not args.no_compat,
+            progress=not args.json,
             modes=("tcp",) if args.tcp else ("shm", "tcp"), nixl_error_handling=args.nixl_error_handling,
         )
         result = run(run_blocks(opts))
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         from .chunks import run_chunks
         from .chunks import table as chunk_table
 
-        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp"), zmq=not args.no_zmq))
+        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp"), zmq=not args.no_zmq,
+                                progress=not args.json))
         _emit(result, chunk_table(result), args.json)
         if args.plot:
             from .plot import plot_chunks

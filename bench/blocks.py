@@ -47,6 +47,8 @@ class Options:
     rounds: int | None = None
     nixl: bool = True
     compat: bool = True
+    progress: bool = True
+    """A bar on stderr while it runs (only if stderr is a terminal)."""
     nixl_error_handling: str = DEFAULT_ERROR_HANDLING
 
 
@@ -94,7 +96,7 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
                     side.reason = "disabled (--no-nixl)"
                 nixl[mode.name] = side
             try:
-                with steps("bench blocks", rounds * len(plan)) as progress:
+                with steps("bench blocks", rounds * len(plan), show=opts.progress) as progress:
                     for _ in range(rounds):
                         for mode, workload in plan:
                             await _one(

@@ -37,6 +37,7 @@ from .chunk_data import chunk_nbytes, make_chunk
 from .hostload import ForeignLoad
 from .modes import SHM, TCP, Mode
 from .procs import Children
+from .progress import Progress, advance, steps
 from .provenance import provenance_text, stamp
 from .report import speed_ratio
 from .stats import summarize
@@ -161,16 +162,22 @@ def _chunks_per_s(w: ChunkWorkload, samples: list[int]) -> float:
     return round(w.nbytes / chunk_nbytes(w.tokens) / (float(np.median(samples)) / 1e9), 1)
 
 
-async def run_chunks(quick: bool = False, modes: tuple[str, ...] = ("shm", "tcp"), zmq: bool = True) -> dict[str, Any]:
+async def run_chunks(
+    quick: bool = False, modes: tuple[str, ...] = ("shm", "tcp"), zmq: bool = True, progress: bool = True
+) -> dict[str, Any]:
     """Run every chunk workload in every mode, each beside the pyzmq baseline (unless ``zmq`` is
-    false); return summaries and ratios."""
+    false); return summaries and ratios.  ``progress``: a bar on stderr if it is a terminal."""
     results: dict[str, Any] = {}
     load = ForeignLoad()
+    plan = [m for m in (SHM, TCP) if m.name in modes]
+    baseline = ZmqBaseline() if zmq else None
     async with Children() as zmq_children:
-        baseline = await ZmqBaseline().start(zmq_children) if zmq else None
         try:
-            for mode in (m for m in (SHM, TCP) if m.name in modes):
-                await _run_mode(mode, quick, baseline, results)
+            if baseline is not None:
+                await baseline.start(zmq_children)
+            with steps("bench chunks", len(plan) * len(chunk_workloads(quick)), show=progress) as bar:
+                for mode in plan:
+                    await _run_mode(mode, quick, baseline, results, bar)
         finally:
             if baseline is not None:
                 await baseline.close()
@@ -192,7 +199,9 @@ async def run_chunks(quick: bool = False, modes: tuple[str, ...] = ("shm", "tcp"
             "nixl": {"available": False, "reason": "NIXL has no message API: no chunk-stream counterpart"}}
 
 
-async def _run_mode(mode: Mode, quick: bool, baseline: ZmqBaseline | None, results: dict[str, Any]) -> None:
+async def _run_mode(
+    mode: Mode, quick: bool, baseline: ZmqBaseline | None, results: dict[str, Any], bar: Progress | None
+) -> None:
     """Every chunk workload in ``mode`` (one receiving child), each followed by the baseline."""
     async with Children() as children:
         config = _service_config(mode, f"chunk-recv-{mode.name}")
@@ -211,6 +220,7 @@ async def _run_mode(mode: Mode, quick: bool, baseline: ZmqBaseline | None, resul
                     "chunks_per_s": _chunks_per_s(w, samples),
                     "zmq_chunks_per_s": _chunks_per_s(w, zmq_samples) if zmq_samples else None,
                 }
+                advance(bar, f"{w.name} {mode.name}")
 
 
 def _cell(kind: str, s: dict[str, float] | None) -> str:
