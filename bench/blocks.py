@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .compat_side import MAX_ITERS, POLL_MODES, CompatSide
+from .compat_side import BUDGET_S, MAX_ITERS, POLL_MODES, CompatSide
 from .compat_side import ROWS as COMPAT_ROWS
 from .hostload import ForeignLoad
 from .memcpy import time_memcpy, time_row_copies
@@ -164,8 +164,8 @@ async def _one_compat(
     iters = min(w.iters, MAX_ITERS[w.kind])
     for poll in POLL_MODES:
         dst.rows(g.block_len)[remote] = 0
-        samples.add(row, poll, await compat.time_writes(g, local, remote, iters, 1 if quick else 3, poll,
-                                                        budget_s=0.3 if quick else 1.5))
+        samples.add(row, poll, await compat.time_writes(g, local, remote, iters, 1 if quick else 2, poll,
+                                                        budget_s=BUDGET_S[quick]))
         if not blocks_match(src.rows(g.block_len), dst.rows(g.block_len), local, remote):
             raise VerificationError(f"compat ({poll} poll): destination blocks of {row} differ from the source")
 

@@ -22,6 +22,8 @@ ROWS = {"compat_a": "a", "compat_b": "b", "compat_c": "c"}
 """Facade row → the async row it repeats (and is compared with)."""
 MAX_ITERS = {"latency": 200, "throughput": 20}
 """At most this many timed writes per round and poll mode (fewer with ``--quick`` or ``--iters``)."""
+BUDGET_S = {False: 1.0, True: 0.3}
+"""Seconds after which a timed loop stops (keyed by ``--quick``): a starved facade finishes in seconds."""
 
 
 class CompatSide:
@@ -34,7 +36,7 @@ class CompatSide:
     @property
     def config(self) -> dict[str, object]:
         return {"mode": SHM.name, "poll_modes": list(POLL_MODES), "step_us": round(STEP_S * 1e6),
-                "max_iters": MAX_ITERS}
+                "max_iters": MAX_ITERS, "budget_s": {"full": BUDGET_S[False], "quick": BUDGET_S[True]}}
 
     async def start(self, children: Children, src: ShmFile, dst: ShmFile, geometries: list[Geometry]) -> CompatSide:
         def spec(role: str, file: ShmFile) -> str:

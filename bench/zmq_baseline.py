@@ -13,7 +13,6 @@ shapes), a latency sample is one chunk, save → ack.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -88,15 +87,24 @@ class ZmqBaseline:
         return self
 
     async def _read(self) -> None:
-        """Resolve the future of each ack (and of the stats answer) as replies arrive."""
-        while True:
-            reply = TO_SENDER.decode(await self._sock.recv())
-            if isinstance(reply, Ack):
-                future = self._acks.pop((reply.stream, reply.index), None)
-                if future is not None and not future.done():
-                    future.set_result(None)
-            elif self._stats is not None and not self._stats.done():
-                self._stats.set_result(reply)
+        """Resolve the future of each ack (and of the stats answer) as replies arrive; if reading
+        fails, every waiter gets the error instead of waiting for the run's timeout."""
+        try:
+            while True:
+                reply = TO_SENDER.decode(await self._sock.recv())
+                if isinstance(reply, Ack):
+                    future = self._acks.pop((reply.stream, reply.index), None)
+                    if future is not None and not future.done():
+                        future.set_result(None)
+                elif self._stats is not None and not self._stats.done():
+                    self._stats.set_result(reply)
+        except Exception as exc:
+            waiters = [*self._acks.values(), *([self._stats] if self._stats is not None else [])]
+            self._acks.clear()
+            for future in waiters:
+                if not future.done():
+                    future.set_exception(RuntimeError(f"zmq baseline: reading acks failed: {exc!r}"))
+            raise
 
     async def _send(self, stream: str, index: int, final: bool, chunk: dict[str, Any]) -> None:
         """Send one chunk and wait for its ack."""
@@ -138,8 +146,7 @@ class ZmqBaseline:
         """Stop the ack reader, close the socket and the context.  Idempotent."""
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            await asyncio.gather(self._reader, return_exceptions=True)  # its error reached the waiters
             self._reader = None
         self._sock.close(linger=0)
         self._ctx.term()
