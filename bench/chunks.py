@@ -39,17 +39,17 @@ from .modes import SHM, TCP, Mode
 from .procs import Children
 from .progress import Progress, advance, steps
 from .provenance import provenance_text, stamp
-from .report import speed_ratio
+from .report import speed_ratio, verdict_lines, verdicts
 from .stats import summarize
 from .zmq_baseline import ZmqBaseline
 
 STAGE = "bench-chunks"
 TARGETS = (
-    ("chunk_8k", 3.0, "chunk_8k ≥ 3× the pyzmq baseline's chunks/s"),
-    ("chunk_256k", 3.0, "chunk_256k ≥ 3× the pyzmq baseline's chunks/s"),
-    ("chunk_a", 2.0, "chunk_a ≤ 0.5× the pyzmq baseline's latency (ratio ≥ 2)"),
+    ("chunk_8k", "vs_zmq", 3.0, "chunk_8k ≥ 3× the pyzmq baseline's chunks/s"),
+    ("chunk_256k", "vs_zmq", 3.0, "chunk_256k ≥ 3× the pyzmq baseline's chunks/s"),
+    ("chunk_a", "vs_zmq", 2.0, "chunk_a ≤ 0.5× the pyzmq baseline's latency (ratio ≥ 2)"),
 )
-"""(row, vs_zmq threshold, description): issue 9's targets for ``chunks``."""
+"""(row, ratio, threshold, description): issue 9's targets for ``chunks``."""
 
 
 class ChunkVerificationError(RuntimeError):
@@ -188,12 +188,7 @@ async def run_chunks(
     }
     report = stamp()
     report["host"]["load"] = load.stop()
-    targets = {
-        text: {"row": row, "ratio": ratios[row]["vs_zmq"], "threshold": threshold,
-               "met": None if ratios[row]["vs_zmq"] is None else ratios[row]["vs_zmq"] >= threshold}
-        for row, threshold, text in TARGETS if row in ratios
-    }
-    return {**report, "results": results, "ratios": ratios, "targets": targets,
+    return {**report, "results": results, "ratios": ratios, "targets": verdicts(ratios, TARGETS),
             "zmq": {"available": baseline is not None, "what": "pyzmq DEALER/ROUTER over tcp://127.0.0.1, msgspec "
                     "header + numpy frames (copy=False), one ack per chunk, each stream waits for its ack, uvloop"},
             "nixl": {"available": False, "reason": "NIXL has no message API: no chunk-stream counterpart"}}
@@ -247,8 +242,5 @@ def table(report: dict[str, Any]) -> str:
     lines.append(f"NIXL: {report['nixl']['reason']}")
     lines.append(provenance_text(report))
     lines.append("")
-    for text, verdict in report["targets"].items():
-        mark = {True: "met", False: "MISSED", None: "unknown"}[verdict["met"]]
-        ratio = "n/a" if verdict["ratio"] is None else f"{verdict['ratio']:.2f}×"
-        lines.append(f"- {text}: {ratio} → {mark}")
+    lines += verdict_lines(report["targets"])
     return "\n".join(lines)

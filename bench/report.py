@@ -6,6 +6,7 @@ the other's p50 over omni_async's p50 (1/latency).  Above 1 means omni_async is 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from .provenance import provenance_text
@@ -52,14 +53,26 @@ def ratios_and_targets(
         of = results[c["of"]]
         modes = {f"vs_async_{poll}": speed_ratio(c["kind"], c[poll], of["omni_async"]) for poll in ("tight", "step")}
         ratios[row] = {"vs_async": min(v for v in modes.values() if v is not None), **modes}
-    targets = {}
-    for row, key, threshold, text in TARGETS:
+    return ratios, verdicts(ratios, TARGETS)
+
+
+def verdicts(ratios: dict[str, Any], targets: Iterable[tuple[str, str, float, str]]) -> dict[str, Any]:
+    """``{description: {"row", "ratio", "threshold", "met"}}`` for each target whose row was run
+    (``met`` is None where the ratio is unknown, e.g. NIXL unavailable)."""
+    out = {}
+    for row, key, threshold, text in targets:
         if row not in ratios:
             continue
         value = ratios[row].get(key)
-        targets[text] = {"row": row, "ratio": value, "threshold": round(threshold, 3),
-                         "met": None if value is None else value >= threshold}
-    return ratios, targets
+        out[text] = {"row": row, "ratio": value, "threshold": round(threshold, 3),
+                     "met": None if value is None else value >= threshold}
+    return out
+
+
+def verdict_lines(targets: dict[str, Any]) -> list[str]:
+    """One ``- description: ratio → met|MISSED|unknown`` line per target."""
+    marks = {True: "met", False: "MISSED", None: "unknown"}
+    return [f"- {text}: {_fmt(v['ratio'])} → {marks[v['met']]}" for text, v in targets.items()]
 
 
 def _cell(kind: str, summary: dict[str, float] | None) -> str:
@@ -104,7 +117,5 @@ def table(report: dict[str, Any]) -> str:
         if not info["available"]:
             lines.append(f"NIXL ({mode}) unavailable: {info['reason']}")
     lines.append("")
-    for text, verdict in report["targets"].items():
-        mark = {True: "met", False: "MISSED", None: "unknown"}[verdict["met"]]
-        lines.append(f"- {text}: {_fmt(verdict['ratio'])} → {mark}")
+    lines += verdict_lines(report["targets"])
     return "\n".join(lines)

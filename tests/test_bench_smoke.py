@@ -76,6 +76,7 @@ def test_blocks_quick_reports_ratios(tmp_path: Path) -> None:
         assert row["tight"]["n"] >= 1 and row["step"]["n"] >= 1, name
         assert ratio["vs_async_tight"] > 0 and ratio["vs_async_step"] > 0, name
         assert ratio["vs_async"] == min(ratio["vs_async_tight"], ratio["vs_async_step"]), name
+    assert {t["row"] for t in report["targets"].values()} >= COMPAT_KEYS | {"a", "b", "c", "a_tcp"}
     check_plot(plot, report, ["omni_async", "NIXL", "rows copy", "facade, tight poll"])
 
 
@@ -102,4 +103,5 @@ def test_chunks_quick_reports_ratios(tmp_path: Path) -> None:
         assert row["zmq"]["n"] == row["omni_async"]["n"], name
         assert row["zmq_chunks_per_s"] > 0, name
     assert report["zmq"]["available"]
+    assert {t["row"] for t in report["targets"].values()} == CHUNK_ZMQ_KEYS
     check_plot(plot, report, ["omni_async", "pyzmq + msgspec", "memcpy"])
