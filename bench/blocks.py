@@ -13,6 +13,7 @@ raises :class:`VerificationError`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,17 +86,17 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
         src, dst_omni, dst_nixl, dst_memcpy, dst_compat = files
         fill_random(src.flat, seed=7)
         async with Children() as children:
-            await omni.start(children, src, dst_omni, modes, list(GEOMETRIES))
-            if compat is not None:
-                await compat.start(children, src, dst_compat, list(GEOMETRIES))
-            for mode in modes:
-                side = NixlSide(mode, opts.nixl_error_handling)
-                if opts.nixl:
-                    await side.start(children, src, dst_nixl)
-                else:
-                    side.reason = "disabled (--no-nixl)"
-                nixl[mode.name] = side
             try:
+                async with asyncio.TaskGroup() as starting:  # children start side by side
+                    starting.create_task(omni.start(children, src, dst_omni, modes, list(GEOMETRIES)))
+                    if compat is not None:
+                        starting.create_task(compat.start(children, src, dst_compat, list(GEOMETRIES)))
+                    for mode in modes:
+                        side = nixl[mode.name] = NixlSide(mode, opts.nixl_error_handling)
+                        if opts.nixl:
+                            starting.create_task(side.start(children, src, dst_nixl))
+                        else:
+                            side.reason = "disabled (--no-nixl)"
                 with steps("bench blocks", rounds * len(plan), show=opts.progress) as progress:
                     for _ in range(rounds):
                         for mode, workload in plan:
