@@ -3,17 +3,17 @@
 ``python -m bench.zmq_peer`` binds a ROUTER to a free TCP port on 127.0.0.1, prints
 ``{"address"}``, then answers every chunk with an :class:`~bench.zmq_baseline.Ack` after checking
 it (:func:`bench.chunk_data.chunk_ok`), and every :class:`~bench.zmq_baseline.StatsAsk` with the
-counts since the previous one, until stdin closes.  uvloop, like the omni_async receiver.
+counts since the previous one, until stdin closes.  uvloop, like the omni_async receiver; it
+imports neither omni_async nor ucxx.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import uvloop
 import zmq
 import zmq.asyncio
-
-from omni_async.eventloop import run
 
 from .chunk_data import chunk_ok
 from .procs import say, until_stdin_closes
@@ -59,7 +59,7 @@ async def main() -> None:
 
 if __name__ == "__main__":
     try:
-        run(main())
+        uvloop.run(main())
     except Exception as exc:
         say({"error": f"{type(exc).__name__}: {exc}"})
         raise SystemExit(1) from None
