@@ -22,7 +22,7 @@ ROWS = {"compat_a": "a", "compat_b": "b", "compat_c": "c"}
 """Facade row → the async row it repeats (and is compared with)."""
 MAX_ITERS = {"latency": 200, "throughput": 20}
 """At most this many timed writes per round and poll mode (fewer with ``--quick`` or ``--iters``)."""
-BUDGET_S = {False: 1.0, True: 0.3}
+BUDGET_S = {False: 1.0, True: 0.1}
 """Seconds after which a timed loop stops (keyed by ``--quick``): a starved facade finishes in seconds."""
 
 
