@@ -217,3 +217,45 @@ async def test_checksum_mismatch_is_caught(make_service):
         await asyncio.wait_for(tx.agent.send_message("rx", "k", meta, frames), 5)
     with pytest.raises(ProtocolError, match="checksum"):
         await asyncio.wait_for(waiter, 5)
+
+
+async def test_a_chunk_the_codec_cannot_carry_fails_only_its_own_save(make_service):
+    """An int beyond 64 bits cannot travel: that save fails with TypeError, and the adapter's
+    save loop lives on (it used to die, leaving this and every later save hanging)."""
+    _, _, sender, receiver = await linked(make_service)
+    bad = sender.save_async("big", {"x": 2**70})
+    later = [sender.save_async("ok", {"i": i}, final=i == 2) for i in range(3)]
+    with pytest.raises(TypeError):
+        await asyncio.wait_for(bad, 5)
+    await asyncio.wait_for(asyncio.gather(*later), 5)
+    got = await asyncio.wait_for(asyncio.gather(*(receiver.load("ok") for _ in range(3))), 5)
+    assert [c.data["i"] for c in got] == [0, 1, 2]
+    with pytest.raises(TypeError):  # and again, on a live loop
+        await asyncio.wait_for(sender.save("big2", {"x": [-(2**64)]}), 5)
+
+
+class _BrokenWindow:
+    """Fault injection around the adapter's real window semaphore: acquiring it raises."""
+
+    def __init__(self, real: asyncio.Semaphore) -> None:
+        self.real = real
+
+    async def acquire(self) -> bool:
+        raise RuntimeError("injected fault in the save loop")
+
+    def release(self) -> None:
+        self.real.release()
+
+
+async def test_a_save_loop_that_dies_breaks_the_adapter_loudly(make_service):
+    """An unexpected exception that ends the save loop fails every unsettled save at once and
+    makes later saves raise, instead of leaving them waiting forever."""
+    _, _, sender, _ = await linked(make_service)
+    await asyncio.wait_for(sender.save("r", {"i": 0}), 5)
+    sender._window = _BrokenWindow(sender._window)
+    pending = [sender.save_async("r", {"i": i}) for i in range(1, 4)]
+    for save in pending:
+        with pytest.raises(ClosedError, match="broken"):
+            await asyncio.wait_for(save, 5)
+    with pytest.raises(ClosedError, match="broken"):
+        sender.save_async("r", {"i": 9})
