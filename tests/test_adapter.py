@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled
+from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled, TransferRefused
 from omni_async.config import AdapterOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -259,3 +259,79 @@ async def test_a_save_loop_that_dies_breaks_the_adapter_loudly(make_service):
             await asyncio.wait_for(save, 5)
     with pytest.raises(ClosedError, match="broken"):
         sender.save_async("r", {"i": 9})
+
+
+def envelope(data, final=False):
+    return {"final": final, "cancelled": False, "data": data}
+
+
+async def test_keys_belong_to_their_sender(make_service):
+    """Three agents: a stream loaded from source="tx" takes chunks from tx only; a third peer's
+    chunk for the same key is refused (its put fails), the legitimate stream is unaffected."""
+    tx, rx, sender, receiver = await linked(make_service)
+    ev = await make_service("ev")
+    await asyncio.wait_for(ev.agent.connect(rx.control_address), 5)
+    waiter = receiver.load_async("r")  # chunk 0 is awaited from tx
+    with pytest.raises(TransferRefused, match="awaited from 'tx'"):
+        await asyncio.wait_for(ev.connector.put("rx", "r:thinker:0", envelope({"who": "ev"})), 5)
+    assert not waiter.done()
+    await asyncio.wait_for(sender.save("r", {"who": "tx"}), 5)
+    assert (await asyncio.wait_for(waiter, 5)).data == {"who": "tx"}
+    # Arriving before anyone waits: both are buffered, the load from tx picks tx's, ev's is dropped.
+    await asyncio.wait_for(ev.connector.put("rx", "r:thinker:1", envelope({"who": "ev"}, final=True)), 5)
+    await asyncio.wait_for(sender.save("r", {"who": "tx"}, final=True), 5)
+    chunk1 = await asyncio.wait_for(receiver.load("r"), 5)
+    assert chunk1.data == {"who": "tx"} and chunk1.final
+    assert rx.connector.buffered == (0, 0) and receiver.active_requests == 0
+    assert set(rx.agent.peers) == {"tx", "ev"}  # refused, not dropped
+
+
+async def test_buffer_limits_are_checked_before_storing(make_service):
+    """Payloads nobody asked for: acknowledged while they fit, held (back-pressure) while as many
+    bytes again fit, then refused with BufferFull; never stored past the limits."""
+    size = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"max_buffered_bytes": 4 * size,
+                                                                       "max_buffered_payloads": 12}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    puts = [tx.connector.put_nowait("rx", f"k{i}", {"x": np.full(size, i, np.uint8)}) for i in range(12)]
+    await asyncio.sleep(0.5)
+    outcomes = [type(p.error()).__name__ if p.done() else "held" for p in puts]
+    assert outcomes == ["NoneType"] * 4 + ["held"] * 4 + ["BufferFull"] * 4, outcomes
+    assert rx.connector.buffered == (8, 8 * size)
+    for i in range(8):  # a reader frees space: the held ones are acknowledged in order
+        assert (await rx.connector.get(f"k{i}", timeout=5))["x"][0] == i
+    await asyncio.wait_for(asyncio.gather(*puts[:8]), 5)
+    assert rx.connector.buffered == (0, 0)
+    # The count limit holds for empty payloads too.
+    small = [tx.connector.put_nowait("rx", f"e{i}", {}) for i in range(13)]
+    results = await asyncio.wait_for(asyncio.gather(*small, return_exceptions=True), 5)
+    assert [type(r).__name__ for r in results] == ["NoneType"] * 12 + ["BufferFull"]
+    assert rx.connector.buffered == (12, 0)
+
+
+async def test_a_peer_that_left_releases_what_it_owned(make_service):
+    """Its held payloads are released at once, waits naming it fail with PeerLost (also ones
+    made later), and its acknowledged payloads are dropped after orphan_timeout."""
+    size = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"max_buffered_bytes": 2 * size,
+                                                                       "orphan_timeout": 0.5}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    puts = [tx.connector.put_nowait("rx", f"k{i}", {"x": np.zeros(size, np.uint8)}) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*puts[:2]), 5)
+    waiter = rx.connector.wait_for("other", source="tx")
+    for _ in range(100):
+        if rx.connector.buffered == (4, 4 * size):
+            break
+        await asyncio.sleep(0.02)
+    assert rx.connector.buffered == (4, 4 * size)  # two acknowledged, two held
+    await tx.close()
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(waiter, 5)
+    assert rx.connector.buffered == (2, 2 * size)  # the held ones are gone with their sender
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(rx.connector.wait_for("later", source="tx"), 1)
+    assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size  # a late reader still gets it
+    await asyncio.sleep(0.7)
+    assert rx.connector.buffered == (0, 0)  # nobody took k1: dropped after orphan_timeout
