@@ -163,13 +163,14 @@ class TransferAdapter:
             transfer.add_done_callback(partial(self._saved, item.future))
 
     def _save_loop_ended(self, task: asyncio.Task[None]) -> None:
-        """The save loop only ends by cancellation (close); if it died anyway the adapter is
-        broken: every unsettled save fails now and later saves raise at once."""
-        if task.cancelled() or task.exception() is None:
+        """The save loop only ends when :meth:`close` cancels it; if it died anyway (or someone
+        else cancelled it) the adapter is broken: every unsettled save fails now and later
+        saves raise at once."""
+        if self._closing:
             return
-        error = task.exception()
+        error: BaseException | None = asyncio.CancelledError() if task.cancelled() else task.exception()
         log.error("adapter %r save loop died; the adapter is broken", self.stage, exc_info=error)
-        self._broken = f"adapter {self.stage!r} is broken: its save loop failed with {error!r}"
+        self._broken = f"adapter {self.stage!r} is broken: its save loop ended with {error!r}"
         for future in list(self._unsettled):
             if not future.done():
                 future.set_exception(ClosedError(self._broken))
