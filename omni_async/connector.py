@@ -35,7 +35,7 @@ import xxhash
 
 from . import serde
 from .agent import Agent, PeerEvent
-from .config import ConnectorSpec
+from .config import ConnectorSpec, Positive, PositiveSeconds
 from .errors import (
     BufferFull,
     ClosedError,
@@ -139,10 +139,10 @@ class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_buffered_bytes: int = 256 << 20
     """Payload bytes buffered before acknowledgements are held back; as many again may wait with
     their acknowledgement held, past that a payload is refused with BufferFull."""
-    max_buffered_payloads: int = 65536
+    max_buffered_payloads: Positive = 65536
     """Payloads buffered at once (acknowledged or held); past it a payload is refused with
     BufferFull."""
-    orphan_timeout: float = 30.0
+    orphan_timeout: PositiveSeconds = 30.0
     """Seconds the acknowledged payloads of a peer that left stay buffered for a reader still
     catching up; then they are dropped."""
     checksum: bool = False

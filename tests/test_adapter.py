@@ -295,7 +295,11 @@ async def test_buffer_limits_are_checked_before_storing(make_service):
                                                                        "max_buffered_payloads": 12}})
     await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
     puts = [tx.connector.put_nowait("rx", f"k{i}", {"x": np.full(size, i, np.uint8)}) for i in range(12)]
-    await asyncio.sleep(0.5)
+    for _ in range(200):
+        if sum(p.done() for p in puts) >= 8 and rx.connector.buffered[0] >= 8:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # nothing more settles while nobody reads
     outcomes = [type(p.error()).__name__ if p.done() else "held" for p in puts]
     assert outcomes == ["NoneType"] * 4 + ["held"] * 4 + ["BufferFull"] * 4, outcomes
     assert rx.connector.buffered == (8, 8 * size)

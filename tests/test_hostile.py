@@ -169,8 +169,7 @@ async def test_handshake_flood_is_bounded(make_agent):
         assert b.peers == {}
     finally:
         ctx.destroy(0)
-    await asyncio.wait_for(asyncio.gather(*(lane.wait_closed() for lane in list(b.transport._closing))), 10)
-    for _ in range(100):
+    for _ in range(200):  # lost lanes are released within the lane close grace (5 s)
         if fds() <= fds_before + 2:
             break
         await asyncio.sleep(0.05)
