@@ -384,7 +384,8 @@ class UcxConnector(Connector):
         if event.kind == "joined":
             self._gone.pop(event.peer_id, None)
             return
-        error = event.error or PeerLost(f"peer {event.peer_id!r} left")
+        error = event.error if isinstance(event.error, PeerLost) else PeerLost(
+            f"peer {event.peer_id!r} left" + (f": {event.error}" if event.error else ""))
         self._gone[event.peer_id] = None
         while len(self._gone) > self.options.max_refused:
             self._gone.popitem(last=False)
