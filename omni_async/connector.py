@@ -182,8 +182,8 @@ class UcxConnector(Connector):
         ``source`` picks)."""
         self._count = 0
         self._acked_bytes = 0
-        self._held: dict[_Stored, None] = {}
-        """Payloads whose acknowledgement is held back, oldest first."""
+        self._held: dict[_Stored, asyncio.TimerHandle] = {}
+        """Payloads whose acknowledgement is held back, oldest first, with their expiry."""
         self._held_bytes = 0
         self._waiters: dict[str, tuple[asyncio.Future[dict[str, Any]], str | None]] = {}
         self._refused: OrderedDict[str, None] = OrderedDict()
@@ -297,7 +297,7 @@ class UcxConnector(Connector):
             self._acked_bytes -= stored.nbytes
         else:
             self._held_bytes -= stored.nbytes
-            del self._held[stored]
+            self._held.pop(stored).cancel()
 
     def _drop(self, stored: _Stored, error: OmniAsyncError) -> None:
         """Forget a buffered payload; if its acknowledgement was held, its sender gets ``error``."""
@@ -310,7 +310,7 @@ class UcxConnector(Connector):
         for stored in list(self._held):
             if self._acked_bytes + stored.nbytes > self.options.max_buffered_bytes:
                 return
-            del self._held[stored]
+            self._held.pop(stored).cancel()
             self._held_bytes -= stored.nbytes
             self._acked_bytes += stored.nbytes
             space, stored.space = stored.space, None
@@ -319,8 +319,9 @@ class UcxConnector(Connector):
 
     def _buffer(self, peer_id: str, key: str, payload: dict[str, Any], nbytes: int) -> asyncio.Future[None] | None:
         """Store a payload nobody waits for yet, checking the limits first: acknowledged at once
-        if it fits, held (its acknowledgement back-pressures the sender) if as many bytes again
-        fit, else refused with :class:`BufferFull`."""
+        if it fits, held (its acknowledgement back-pressures the sender; at most the agent's
+        ``transfer_timeout``, then dropped) if as many bytes again fit, else refused with
+        :class:`BufferFull`."""
         candidates = self._stored.setdefault(key, {})
         if peer_id in candidates:
             raise ProtocolError(f"a payload for {key!r} is already buffered")
@@ -340,8 +341,16 @@ class UcxConnector(Connector):
         stored = candidates[peer_id] = _Stored(key, peer_id, payload, nbytes, space)
         self._count += 1
         self._held_bytes += nbytes
-        self._held[stored] = None
+        self._held[stored] = self._loop.call_later(self.agent.config.transfer_timeout, self._expire, stored)
         return space
+
+    def _expire(self, stored: _Stored) -> None:
+        """A payload held as long as its sender waits for the acknowledgement (``transfer_timeout``)
+        is dropped: its sender has given up on it."""
+        if stored in self._held:
+            timeout = self.agent.config.transfer_timeout
+            self._drop(stored, DeadlineExceeded(f"{stored.key!r} found no buffer space within {timeout}s"))
+            self._admit()
 
     def _forget_empty(self, key: str) -> None:
         if not self._stored.get(key, True):

@@ -339,3 +339,20 @@ async def test_a_peer_that_left_releases_what_it_owned(make_service):
     assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size  # a late reader still gets it
     await asyncio.sleep(0.7)
     assert rx.connector.buffered == (0, 0)  # nobody took k1: dropped after orphan_timeout
+
+
+async def test_a_held_payload_expires_with_its_transfer(make_service):
+    """A payload whose acknowledgement is held for want of buffer space is held at most the
+    receiver's transfer_timeout, then dropped: its sender's put fails with DeadlineExceeded."""
+    size = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", agent={"transfer_timeout": 0.5},
+                            connector={"name": "ucx", "extra": {"max_buffered_bytes": size}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    await asyncio.wait_for(tx.connector.put("rx", "k0", {"x": np.zeros(size, np.uint8)}), 5)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="buffer space"):
+        await asyncio.wait_for(tx.connector.put("rx", "k1", {"x": np.zeros(size, np.uint8)}), 5)
+    assert 0.4 < time.monotonic() - started < 3
+    assert rx.connector.buffered == (1, size)
+    assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size
