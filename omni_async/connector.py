@@ -8,7 +8,8 @@ message over the agent's UCX lanes (header + out-of-band array frames, see :mod:
 Receiving side contract: a payload that arrives before anyone asked for it is buffered, up to
 ``max_buffered_bytes`` (checked before it is stored); past that its acknowledgement is held back
 until ``get`` frees space, so the sender's ``put`` (which resolves on that acknowledgement) is
-back-pressured.  As many bytes again may wait held; past that, or past
+back-pressured (for at most the agent's ``transfer_timeout``: then the payload is dropped and
+the ``put`` fails with ``DeadlineExceeded``).  As many bytes again may wait held; past that, or past
 ``max_buffered_payloads``, the payload is refused and the sender's ``put`` fails with
 :class:`~omni_async.errors.BufferFull`.  Nothing is dropped silently: a payload that fails to
 decode fails the sender's ``put`` and the local ``get`` of that key with
@@ -16,7 +17,8 @@ decode fails the sender's ``put`` and the local ``get`` of that key with
 
 Keys belong to their sender: a ``get``/``wait_for`` naming ``source`` is given only that
 peer's payload; another peer's payload for the key is refused
-(:class:`~omni_async.errors.TransferRefused` to its sender).  A peer that leaves releases what
+(:class:`~omni_async.errors.TransferRefused` to its sender), or, if it was acknowledged before
+the wait began, dropped when the wait takes ``source``'s.  A peer that leaves releases what
 it owned: waits naming it fail with :class:`~omni_async.errors.PeerLost`, its held payloads are
 refused, and its acknowledged ones are dropped after ``orphan_timeout``.
 """
