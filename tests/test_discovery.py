@@ -297,3 +297,16 @@ async def test_with_curve_a_card_whose_key_is_not_allow_listed_is_ignored(
     await asyncio.wait_for(a.agent.write_blocks("b", [0], [0]), 10)
     assert a.discovery.online and b.discovery.online
     assert msgspec.json.decode(encode_card(card("x")))["peer_id"] == "x"
+
+
+def test_demo_cluster_command(etcd: LocalEtcd) -> None:
+    """``omni-async demo-cluster`` (``make demo-cluster``): four agents, 12 verified transfers, exit 0."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "omni_async.cli", "demo-cluster"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum(" found " in line for line in lines) == 4
+    assert sum(line.endswith("ms") and "verified" in line for line in lines) == 12
+    assert "12/12 transfers verified" in lines[-1] and lines[-1].startswith("demo-cluster ok")

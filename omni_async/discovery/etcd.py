@@ -17,7 +17,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-import aetcd  # type: ignore[import-untyped]
+import aetcd
 
 from ..agent import Agent, PeerEvent
 from ..auth import split_address

