@@ -310,3 +310,20 @@ def test_demo_cluster_command(etcd: LocalEtcd) -> None:
     assert sum(" found " in line for line in lines) == 4
     assert sum(line.endswith("ms") and "verified" in line for line in lines) == 12
     assert "12/12 transfers verified" in lines[-1] and lines[-1].startswith("demo-cluster ok")
+
+
+async def test_a_dial_that_crosses_an_existing_pair_is_harmless(make_agent: Callable[..., Any]) -> None:
+    """If both sides dial anyway, the loser's AlreadyConnected is expected: no error, the pair stays."""
+    pytest.importorskip("aetcd", reason="the discovery client aetcd is not installed (`discovery` extra)")
+    from omni_async.discovery.etcd import Discovery
+
+    a, b = await make_agent(peer_id="a"), await make_agent(peer_id="b")
+    assert await a.connect(b.control_address) == "b"
+    found = Discovery(b, DiscoveryConfig(etcd=["127.0.0.1:1"]))  # never started: no etcd needed
+    a_card = Card(peer_id="a", address=a.control_address, fingerprint=a.fingerprint,
+                  num_blocks=a.region.num_blocks, block_len=a.region.block_len)
+    await asyncio.wait_for(found._dial(a_card), 10)
+    assert found._dial_errors == {}
+    assert set(b.peers) == {"a"} and set(a.peers) == {"b"}
+    await asyncio.wait_for(a.write_blocks("b", [0], [1]), 10)
+    await found.close()
