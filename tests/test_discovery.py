@@ -228,7 +228,8 @@ async def test_three_agents_find_each_other_and_a_killed_one_vanishes_then_rejoi
 
 
 async def test_losing_etcd_keeps_peers_and_transfers_then_discovery_resumes(
-        etcd: LocalEtcd, make_service: Callable[..., Any]) -> None:
+        etcd: LocalEtcd, make_service: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="omni_async.discovery.etcd")
     group = "outage"
     a = await make_service("a", discovery=discovery(etcd, group))
     c = await make_service("c", discovery=discovery(etcd, group))
@@ -268,6 +269,12 @@ async def test_losing_etcd_keeps_peers_and_transfers_then_discovery_resumes(
         await asyncio.wait_for(writer, 15)  # raises if any transfer failed
     assert left == []
     assert np.array_equal(c.region.array, a.region.array)
+    # the outage is logged once per agent however many reconnect attempts fail, and so is the end
+    said = [record.getMessage() for record in caplog.records if record.name == "omni_async.discovery.etcd"]
+    for peer_id in ("a", "c"):
+        assert sum(m.startswith(f"discovery: {peer_id} lost etcd") for m in said) == 1, said
+        assert sum(m.startswith(f"discovery: {peer_id} cannot reach") for m in said) == 0, said
+        assert sum(m.startswith(f"discovery: {peer_id} resumed") for m in said) == 1, said
 
 
 async def test_with_curve_a_card_whose_key_is_not_allow_listed_is_ignored(
@@ -307,7 +314,7 @@ def test_demo_cluster_command(etcd: LocalEtcd) -> None:
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert sum(" found " in line for line in lines) == 4
+    assert sum(line.startswith("agent-") and " found " in line for line in lines) == 4
     assert sum(line.endswith("ms") and "verified" in line for line in lines) == 12
     assert "12/12 transfers verified" in lines[-1] and lines[-1].startswith("demo-cluster ok")
 

@@ -62,12 +62,15 @@ class Discovery:
         )
         self._online = asyncio.Event()
         self._wake = asyncio.Event()
-        self._stale: set[str] = set()
+        self._stale: dict[str, int | None] = {}
+        """Peers whose card vanished or changed → the handshake nonce of the incarnation joined
+        then (None: none), which is removed; a newer incarnation that joined meanwhile stays."""
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self._dial_errors: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._client: Any = None
         self._lease: Any = None
+        self._outage_logged = False
         self._started = self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -133,21 +136,19 @@ class Discovery:
     async def _run(self) -> None:
         """Sessions with etcd, one after another, across its endpoints, until closed."""
         attempt = 0
-        reported = False
         while True:
             endpoint = self.config.etcd[attempt % len(self.config.etcd)]
             attempt += 1
             try:
                 await self._session(endpoint)
             except Exception as exc:  # every failure of the client or etcd ends the session alike
-                if not reported:
-                    log.warning("discovery: etcd at %s %s (%s); joined peers are kept, retrying every %ss",
-                                endpoint, "lost" if self.online else "unreachable", exc,
+                was_online = self.online
+                self._online.clear()
+                if was_online or not self._outage_logged:
+                    log.warning("discovery: %s %s etcd at %s (%s); joined peers are kept, retrying every %ss",
+                                self.agent.peer_id, "lost" if was_online else "cannot reach", endpoint, exc,
                                 self.config.retry_interval)
-                    reported = True
-            else:
-                reported = False
-            self._online.clear()
+                    self._outage_logged = True
             await asyncio.sleep(self.config.retry_interval)
 
     async def _session(self, endpoint: str) -> None:
@@ -170,8 +171,13 @@ class Discovery:
                     cards[card.peer_id] = card
             self._apply(self._membership.snapshot(cards))
             watch = await client.watch_prefix(self._prefix.encode(), start_revision=listing.header.revision + 1)
-            log.info("discovery: %s published in %s at %s; %d other card(s)",
-                     self._me.peer_id, self._prefix, endpoint, len(cards))
+            if self._outage_logged:
+                log.warning("discovery: %s resumed with etcd at %s; %d other card(s)", self._me.peer_id, endpoint,
+                            len(cards))
+                self._outage_logged = False
+            else:
+                log.info("discovery: %s published in %s at %s; %d other card(s)",
+                         self._me.peer_id, self._prefix, endpoint, len(cards))
             self._online.set()
             self._wake.set()
             await _first_failure(self._keep_alive(lease.id), self._follow(watch))
@@ -197,9 +203,9 @@ class Discovery:
                 if card is not None:
                     self._apply(self._membership.put(card))
             else:
-                with contextlib.suppress(ProtocolError):
-                    self._apply(self._membership.delete(peer_id_of(event.kv.key.decode(), self.config.prefix,
-                                                                   self.config.group)))
+                key = event.kv.key.decode(errors="replace")
+                with contextlib.suppress(ProtocolError):  # not a card's key
+                    self._apply(self._membership.delete(peer_id_of(key, self.config.prefix, self.config.group)))
         raise EtcdLost("the watch stream ended")
 
     def _decode(self, key: bytes, value: bytes) -> Card | None:
@@ -221,13 +227,13 @@ class Discovery:
         assert me is not None
         for change in changes:
             peer_id, card = change.peer_id, change.card
+            if change.kind != "added":  # vanished, or a new incarnation: forget the old one
+                joined = self.agent.peers.get(peer_id)
+                self._stale[peer_id] = None if joined is None else joined.nonce
             if card is None:
                 log.info("discovery: %s's card vanished", peer_id)
                 self.ignored.pop(peer_id, None)
-                self._stale.add(peer_id)
                 continue
-            if change.kind == "changed":
-                self._stale.add(peer_id)  # a new incarnation: forget the old one
             reason = incompatibility(me, card, self._allowed)
             if reason is None:
                 self.ignored.pop(peer_id, None)
@@ -251,7 +257,10 @@ class Discovery:
         Runs on every change and every ``retry_interval`` (which retries failed dials)."""
         while True:
             self._wake.clear()
-            await self._reconcile()
+            try:
+                await self._reconcile()
+            except OmniAsyncError as exc:  # e.g. the agent was closed under us: try again later
+                log.warning("discovery: %s could not act on the group: %s", self.agent.peer_id, exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.retry_interval):
                     await self._wake.wait()
@@ -259,13 +268,14 @@ class Discovery:
     async def _reconcile(self) -> None:
         agent, me = self.agent, self._me
         assert me is not None
-        stale, self._stale = self._stale, set()
-        for peer_id in stale:
+        stale, self._stale = self._stale, {}
+        for peer_id, nonce in stale.items():
             task = self._dialing.pop(peer_id, None)
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            if peer_id in agent.peers:
+            incarnation = agent.peers.get(peer_id)
+            if incarnation is not None and incarnation.nonce == nonce:
                 log.info("discovery: removing %s (its card vanished or changed)", peer_id)
                 await agent.remove_peer(peer_id)
         if not self.online:
@@ -289,7 +299,7 @@ class Discovery:
             joined = await self.agent.connect(card.address)
         except AlreadyConnected:
             return  # it dialled us at the same time: that handshake joins the pair
-        except OmniAsyncError as exc:
+        except Exception as exc:  # any failure of one dial is that peer's, retried later
             reason = f"{type(exc).__name__}: {exc}"
             if self._dial_errors.get(card.peer_id) != reason:
                 log.warning("discovery: cannot join %s at %s: %s (retrying)", card.peer_id, card.address, reason)
