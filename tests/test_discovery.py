@@ -334,3 +334,18 @@ async def test_a_dial_that_crosses_an_existing_pair_is_harmless(make_agent: Call
     assert set(b.peers) == {"a"} and set(a.peers) == {"b"}
     await asyncio.wait_for(a.write_blocks("b", [0], [1]), 10)
     await found.close()
+
+
+async def test_a_service_starts_and_closes_cleanly_while_etcd_is_unreachable(
+        make_service: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Discovery never blocks or fails the service: it keeps trying, says so once, and closes cleanly."""
+    pytest.importorskip("aetcd", reason="the discovery client aetcd is not installed (`discovery` extra)")
+    caplog.set_level("WARNING", logger="omni_async.discovery.etcd")
+    down = {"etcd": ["127.0.0.1:1"], "retry_interval": 0.05, "ttl": TTL}
+    a = await asyncio.wait_for(make_service("a", discovery=down), 10)
+    b = await make_service("b")
+    await asyncio.sleep(0.6)  # a dozen failed attempts
+    assert a.discovery is not None and not a.discovery.online and b.discovery is None
+    assert await asyncio.wait_for(a.agent.connect(b.control_address), 10) == "b"  # the agent works as ever
+    said = [r.getMessage() for r in caplog.records if r.name == "omni_async.discovery.etcd"]
+    assert len(said) == 1 and said[0].startswith("discovery: a cannot reach etcd at 127.0.0.1:1"), said
