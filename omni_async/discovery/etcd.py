@@ -22,7 +22,7 @@ import aetcd
 from ..agent import Agent, PeerEvent
 from ..auth import split_address
 from ..config import DiscoveryConfig
-from ..errors import AlreadyConnected, ClosedError, OmniAsyncError, ProtocolError
+from ..errors import AlreadyConnected, ClosedError, ConfigError, OmniAsyncError, ProtocolError
 from .card import Card, card_key, decode_card, encode_card, group_prefix, peer_id_of
 from .membership import Change, Membership, incompatibility, should_dial
 
@@ -49,7 +49,7 @@ class Discovery:
 
     def __init__(self, agent: Agent, config: DiscoveryConfig) -> None:
         if not config.etcd:
-            raise ValueError("discovery needs at least one etcd endpoint")
+            raise ConfigError("discovery needs at least one etcd endpoint (discovery.etcd)")
         self.agent = agent
         self.config = config
         self._prefix = group_prefix(config.prefix, config.group)
@@ -180,7 +180,7 @@ class Discovery:
                          self._me.peer_id, self._prefix, endpoint, len(cards))
             self._online.set()
             self._wake.set()
-            await _first_failure(self._keep_alive(lease.id), self._follow(watch))
+            await _first_failure(self._keep_alive(client, lease.id), self._follow(watch))
         except asyncio.CancelledError:
             raise  # close() revokes the lease and closes the client
         except BaseException:
@@ -188,8 +188,8 @@ class Discovery:
             await _close_client(client)
             raise
 
-    async def _keep_alive(self, lease_id: int) -> None:
-        client = self._client
+    async def _keep_alive(self, client: Any, lease_id: int) -> None:
+        """Refresh the lease every ``ttl / 3``; raises when etcd does not answer or the lease is gone."""
         while True:
             await asyncio.sleep(self.config.ttl / 3)
             reply = await client.refresh_lease(lease_id)
@@ -197,6 +197,7 @@ class Discovery:
                 raise EtcdLost(f"lease {lease_id:x} expired")
 
     async def _follow(self, watch: Any) -> None:
+        """Apply the group's changes as they come; raises when the stream ends."""
         async for event in watch:
             if event.kind == aetcd.EventKind.PUT:
                 card = self._decode(event.kv.key, event.kv.value)
