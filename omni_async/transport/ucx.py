@@ -49,7 +49,7 @@ from ..errors import (
 )
 from ..handshake import PeerInfo
 from ..metrics import Kind, Metrics
-from ..region import BlockRegion, plan_runs
+from ..region import BlockRegion, Run, plan_runs
 from ..wire import (
     DATA_KIND,
     FULL_MASK,
@@ -69,6 +69,7 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
+from .limits import check_message, split_runs
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -106,15 +107,18 @@ def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
 
 
 class _Sent:
-    """A transfer in flight: its deadline timer, kind and start time (for metrics)."""
+    """A transfer in flight: its deadline timer, kind and start time (for metrics), and how
+    many requests it went out as (a large write is split: it settles on the last answer)."""
 
-    __slots__ = ("kind", "started", "timer", "transfer")
+    __slots__ = ("error", "kind", "parts", "started", "timer", "transfer")
 
     def __init__(self, transfer: Transfer, timer: asyncio.TimerHandle, kind: Kind, started: float) -> None:
         self.transfer = transfer
         self.timer = timer
         self.kind = kind
         self.started = started
+        self.parts = 1
+        self.error: OmniAsyncError | None = None
 
 
 @dataclass(eq=False)
@@ -295,6 +299,7 @@ class UcxTransport:
 
         Raises at once, before any byte moves: :class:`UnknownPeer`, :class:`InvalidBlocks`
         (unequal lengths, an index out of range or not an int), :class:`ClosedError`.
+        A write larger than the receiver takes in one request goes out as several.
         The local blocks must not change until the transfer settles.
         """
         self._check_open()
@@ -305,12 +310,23 @@ class UcxTransport:
         if not runs:
             transfer.set_done()
             return transfer
+        # More runs or blocks than one request may carry (the receiver's limits): several
+        # requests under the same transfer id, settled by the last acknowledgement.
+        requests = split_runs(runs, link.peer.max_write_blocks)
+        link.sent[transfer.id].parts = len(requests)
+        for request in requests:
+            self._post_write(link, transfer.id, request)
+        return transfer
+
+    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run]) -> None:
+        """Send one write request (within the receiver's limits) and its payload."""
+        nbytes = sum(run.length for run in runs) * self.region.block_len
         # Many small runs: one gathered message (Python cost per message dominates).  Large
         # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
-        gather = link.gather and len(runs) > 1 and transfer.nbytes < _GATHER_MAX_RUN * len(runs)
+        gather = link.gather and len(runs) > 1 and nbytes < _GATHER_MAX_RUN * len(runs)
         seq = link.take_seq(1 if gather else len(runs))
-        header = WriteRequest(transfer.id, seq, [(run.remote, run.length) for run in runs], gather)
-        on_sent = partial(self._sent, link, transfer.id)
+        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], gather)
+        on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
         array = self.region.array
@@ -320,17 +336,21 @@ class UcxTransport:
         else:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
-        return transfer
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
 
         The frames are borrowed, not copied: keep them unchanged until the transfer settles.
+        Raises at once, before anything is sent: :class:`TypeError` (a key that is not a str,
+        meta that is not bytes, a frame without the buffer protocol), :class:`InvalidMessage`
+        (over a wire limit or the receiver's ``max_message_bytes``), :class:`UnknownPeer`,
+        :class:`ClosedError`.
         """
         self._check_open()
         link = self._link(peer_id)
         views = [_byte_view(frame) for frame in frames]
         sizes = [int(view.nbytes) for view in views]
+        check_message(key, meta, sizes, link.peer.max_message_bytes)
         transfer = self._new_transfer(link, sum(sizes), "messages")
         seq = link.take_seq(1)
         header = MessageHeader(transfer.id, seq, key, meta, sizes)
@@ -462,8 +482,14 @@ class UcxTransport:
             self._on_message(link, header)
 
     def _on_ack(self, link: _Link, ack: Ack) -> None:
-        error = error_from_code(ack.code, ack.reason) if ack.code else None
-        self._settle(link, ack.transfer_id, error)
+        sent = link.sent.get(ack.transfer_id)
+        if sent is None:
+            return  # settled already (cancelled, expired), or an id this side never used
+        if ack.code and sent.error is None:
+            sent.error = error_from_code(ack.code, ack.reason)
+        sent.parts -= 1
+        if sent.parts <= 0:
+            self._settle(link, ack.transfer_id, sent.error)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
         array = self.region.array
