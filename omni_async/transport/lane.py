@@ -139,7 +139,7 @@ class Lane:
         On a closed lane ``done`` runs at once with the reason it was closed.
         """
         if self._closed:
-            done(self._close_reason)
+            _run(done, self._close_reason)
             return
         request = self._endpoint.tag_send(Array(buffer), ucx_api.UCXXTag(tag))
         self._track(request, done, buffer)
@@ -174,27 +174,27 @@ class Lane:
     def _post_raw(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
         """Post a :mod:`.iov` request over ``buffers`` and track it like a ucxx request."""
         if self._closed:
-            done(self._close_reason)
+            _run(done, self._close_reason)
             return
         vector = iov.iov_of(buffers)
         try:
             handle = post(vector)
         except OSError as exc:
-            done(exc)
+            _run(done, exc)
             return
         self._track(_RawRequest(handle), done, (buffers, vector))
 
     def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
         """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
         if self._closed:
-            done(self._close_reason)
+            _run(done, self._close_reason)
             return
         # The probe result owns the UCX message handle: keep it alive with the buffer.
         self._track(self._worker.tag_recv_with_handle(Array(buffer), message), done, (buffer, message))
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
-            done(_request_error(request))
+            _run(done, _request_error(request))
             return
         self._pending.append((request, done, keepalive))
         self._schedule_drive()
@@ -220,7 +220,7 @@ class Lane:
                 self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
-            if self.expecting is not None and self._may_spin() and self.expecting():
+            if self.expecting is not None and self._may_spin() and self._expects():
                 if _spin(worker):
                     self._spin_misses = 0
                     continue  # something moved while we waited briefly: handle it now
@@ -236,6 +236,13 @@ class Lane:
     its payload).  The lane then polls the worker for up to ``_SPIN`` seconds before sleeping
     on the event fd, which saves a wake-up per hop; an idle lane never polls."""
 
+    def _expects(self) -> bool:
+        try:
+            return self.expecting is not None and self.expecting()
+        except Exception:  # guarded like every callback: the lane just does not spin
+            log.exception("a callback of a lane failed: %r", self.expecting)
+            return False
+
     def _may_spin(self) -> bool:
         """Spinning pays only when the peer answers within the window (another core); after a
         few misses (a peer on this thread, or a slow one) the lane stops trying for a while."""
@@ -247,14 +254,14 @@ class Lane:
                 message = self._worker.tag_probe(tag, mask, remove=True)
                 if not message.matched:
                     break
-                on_arrival(message.sender_tag.value, message.length, message)
+                _run(on_arrival, message.sender_tag.value, message.length, message)
         for raw_tag, raw_mask, on_raw in self._raw_watches:
             while not self._closed:
                 found = iov.probe(self._worker, raw_tag, raw_mask)
                 if found is None:
                     break
                 handle, sender_tag, length = found
-                on_raw(sender_tag, length, handle)
+                _run(on_raw, sender_tag, length, handle)
 
     def _reap(self, everything: bool) -> None:
         """Run the completions of finished requests.
@@ -273,7 +280,7 @@ class Lane:
                 (finished if item[0].completed else still).append(item)
             self._pending = still
         for request, done, _ in finished:
-            done(_request_error(request))
+            _run(done, _request_error(request))
 
     def close(self, reason: BaseException | None = None) -> None:
         """Fail every pending request with ``reason``, then close the endpoint in the background.
@@ -298,7 +305,7 @@ class Lane:
         # stay referenced until the lane is released, or UCX would write into freed memory.
         self._orphans = pending
         for _request, done, _ in pending:
-            done(self._close_reason)
+            _run(done, self._close_reason)
         if self._endpoint is None:
             self._release()
             return
@@ -382,6 +389,15 @@ def _spin(worker: Any) -> bool:
         if worker.progress_once():
             return True
     return False
+
+
+def _run(callback: Callable[..., None], *args: Any) -> None:
+    """Call a completion or arrival callback.  Whatever it raises is logged and stops there:
+    it never unwinds through the lane's progress, which serves every other request."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a callback of a lane failed: %r", callback)
 
 
 def _request_error(request: Any) -> BaseException | None:

@@ -553,6 +553,10 @@ class UcxTransport:
         except OmniAsyncError as exc:
             answer(exc)
             return
+        except Exception as exc:  # a sink bug (or its decoder's) fails this message, not the lane
+            log.error("message sink failed on %r from %s", hdr.key, link.peer.peer_id, exc_info=exc)
+            answer(TransferFailed(f"the receiver failed: {exc!r}"))
+            return
         if pending is None:
             answer(None)
         elif inspect.isawaitable(pending):
