@@ -43,6 +43,11 @@ I64: Final = (1 << 63) - 1
 RUNS_PER_REQUEST: Final = 3072
 """Most runs a sender puts in one :class:`WriteRequest`: the worst case (every number a
 9-byte msgpack integer, 19 bytes a run) still fits in :data:`MAX_HEADER_BYTES`."""
+MAX_PENDING_PAYLOADS: Final = 8192
+"""Most payload messages a receiver holds state for per peer (announced by a header and not
+received yet, or arrived before their header); a sender keeps its unacknowledged ones within."""
+MIN_RECEIVE_BUDGET: Final = 64 << 20
+"""Floor of a receiver's per-peer budget for chunk-message buffers (see ``limits.receive_budget``)."""
 DEFAULT_MAX_WRITE_BLOCKS: Final = 1 << 20
 """A receiver's ``max_write_blocks`` when its Hello does not announce one."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30

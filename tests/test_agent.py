@@ -309,3 +309,21 @@ async def test_messages_over_a_limit_fail_locally_and_keep_the_peer(make_agent):
     await asyncio.wait_for(a.send_message("b", "k" * MAX_KEY, b"m" * MAX_META_BYTES, [bytes(1000)]), 5)
     assert got == ["k" * MAX_KEY]
     assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+async def test_many_concurrent_large_messages_stay_within_the_receivers_bounds(make_agent):
+    """Unacknowledged chunk bytes beyond the receiver's budget wait at the sender (its
+    window) instead of making the receiver drop the peer."""
+    from omni_async.transport.limits import receive_budget
+
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b", max_message_bytes=1 << 20)
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(int(frames[0][0])))
+    count = 2 * receive_budget(1 << 20) // (1 << 20)
+    frames = [np.full(1 << 20, i % 256, np.uint8) for i in range(count)]
+    transfers = [a.send_message("b", f"k{i}", b"", [frames[i]]) for i in range(count)]
+    await asyncio.wait_for(asyncio.gather(*transfers), 30)
+    assert sorted(got) == sorted(i % 256 for i in range(count))
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}

@@ -147,3 +147,70 @@ async def test_handshake_flood_is_bounded(make_agent):
     target.close()
     await target.wait_closed()
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 32
+
+
+async def test_a_message_on_an_unknown_tag_is_taken_and_drops_the_sender(make_agent):
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    left = []
+    b.add_peer_listener(lambda event: left.append(event.peer_id) if event.kind == "left" else None)
+    async with Rogue.join(b.control_address) as rogue:
+        assert "rogue" in b.peers
+        rogue.send(np.ones(100, np.uint8), 5 << 60)
+        async with asyncio.timeout(5):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.01)
+    assert left == ["rogue"]
+
+
+@pytest.mark.parametrize("flood", ["messages", "writes"])
+async def test_announced_payloads_that_never_come_are_bounded(make_agent, flood):
+    """Headers whose payloads never come: the receiver drops the peer at its bounds (chunk
+    buffers: receive_budget(max_message_bytes); payload messages: MAX_PENDING_PAYLOADS)."""
+    from omni_async.transport.limits import receive_budget
+    from omni_async.wire import HEADER_TAG, MAX_PENDING_PAYLOADS, MessageHeader, WriteRequest, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0, max_message_bytes=1 << 20)
+    a = await make_agent(peer_id="a")
+    await a.connect(b.control_address)
+    async with Rogue.join(b.control_address) as rogue:
+        if flood == "messages":
+            frame = 1 << 20
+            headers = [MessageHeader(i, i, "k", b"", [frame]) for i in range(receive_budget(1 << 20) // frame + 1)]
+        else:
+            runs = [(2 * i, 1) for i in range(32)]
+            headers = [WriteRequest(i, 32 * i, runs, False) for i in range(MAX_PENDING_PAYLOADS // 32 + 1)]
+        for header in headers:
+            rogue.send(encode_header(header), HEADER_TAG)
+        async with asyncio.timeout(10):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.01)
+    await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
+
+
+async def test_a_flooding_peer_does_not_starve_the_others(make_agent):
+    """A peer process floods valid headers that cost the receiver more than the sender;
+    another peer's transfers and the control heartbeats keep working meanwhile (before
+    lane progress was bounded per wake-up, the loop never left the flooding lane)."""
+    import json
+    import sys
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    a = await make_agent(peer_id="a", heartbeat_interval=0.1, heartbeat_timeout=3.0)
+    await a.connect(b.control_address)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.helpers.rogue", "flood", b.control_address,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 30)) == {"joined": True}
+        await asyncio.sleep(0.5)  # the flood is on
+        assert await asyncio.wait_for(healthy_traffic(a, b, 50), 30) == 50
+        await asyncio.sleep(3.5)  # longer than the heartbeat timeout between a and b
+        assert proc.returncode is None  # still flooding
+        assert set(a.peers) == {"b"} and "a" in b.peers and "rogue" in b.peers
+    finally:
+        proc.kill()
+        await proc.wait()

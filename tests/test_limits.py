@@ -54,3 +54,40 @@ def test_check_message_limits():
         check_message(b"k", b"", [], 10)
     with pytest.raises(TypeError):
         check_message("k", "meta", [], 10)
+
+
+def test_window_admits_within_the_receivers_bounds_and_releases_on_answers():
+    from omni_async.transport.limits import Window, receive_budget
+    from omni_async.wire import MAX_PENDING_PAYLOADS
+
+    window = Window(1 << 20)
+    assert window.max_bytes == receive_budget(1 << 20) >= 1 << 20
+    assert window.fits(MAX_PENDING_PAYLOADS, window.max_bytes)
+    window.take(1, RUNS_PER_REQUEST, 0)
+    window.take(1, 10, 0)  # a split write: two requests under one id
+    window.take(2, 1, window.max_bytes - 5)
+    assert not window.fits(1, 6)
+    assert not window.fits(MAX_PENDING_PAYLOADS - RUNS_PER_REQUEST - 10, 0)
+    window.release(99)  # an id never sent: ignored
+    window.release(1)  # the smaller request of id 1 goes first
+    assert (window.messages, window.nbytes) == (RUNS_PER_REQUEST + 1, window.max_bytes - 5)
+    window.release(2)
+    window.release(1)
+    window.release(1)  # more answers than requests: ignored
+    assert (window.messages, window.nbytes) == (0, 0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 100), st.integers(0, 1000)), max_size=50),
+       st.randoms())
+def test_window_never_goes_negative_and_empties(requests, rnd):
+    from omni_async.transport.limits import Window
+
+    window = Window(1000, max_messages=10_000)
+    for transfer_id, messages, nbytes in requests:
+        window.take(transfer_id, messages, nbytes)
+    answers = [transfer_id for transfer_id, _, _ in requests]
+    rnd.shuffle(answers)
+    for transfer_id in answers:
+        window.release(transfer_id)
+        assert window.messages >= 0 and window.nbytes >= 0
+    assert (window.messages, window.nbytes) == (0, 0)

@@ -50,6 +50,8 @@ Arrival = Callable[[int, int, Any], None]
 """``on_arrival(tag, length, message)``: a message arrived that nobody posted a receive for."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
+_MAX_PROGRESS = 64  # worker progress calls per round
+_MAX_ARRIVALS = 64  # messages taken per watch per round: a flooding peer cannot hold the loop
 _FULL_REAP_EVERY = 16  # wake-ups between scans of every pending request (the front is checked always)
 _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
 _SPIN_MISSES = 3  # fruitless spins in a row after which a lane stops spinning (retried every 64 wake-ups)
@@ -202,24 +204,32 @@ class Lane:
     def _schedule_drive(self) -> None:
         if not self._drive_scheduled:
             self._drive_scheduled = True
-            self._loop.call_soon(self._drive)
+            self._loop.call_soon(self._scheduled_drive)
+
+    def _scheduled_drive(self) -> None:
+        # Only the scheduled call clears the flag: if any drive did (the event fd's too), every
+        # drive that posts a request would queue one more call and, under load, the calls
+        # queued per loop iteration would grow without bound.
+        self._drive_scheduled = False
+        self._drive()
 
     def _drive(self) -> None:
         """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
-        self._drive_scheduled = False
         if self._closed:
             return
         self.wakeups += 1
         worker = self._worker
         for round_ in range(_MAX_ROUNDS):
-            while worker.progress_once():
-                pass
+            for _ in range(_MAX_PROGRESS):
+                if not worker.progress_once():
+                    break
             if self._pending:
                 self._reap(everything=round_ == 0 and self.wakeups % _FULL_REAP_EVERY == 0)
-            if not self._closed:
-                self._take_arrivals()
+            more = False if self._closed else self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
+            if more:
+                break  # arrivals left in UCX's queue: come back after the loop's other work
             if self.expecting is not None and self._may_spin() and self._expects():
                 if _spin(worker):
                     self._spin_misses = 0
@@ -227,8 +237,9 @@ class Lane:
                 self._spin_misses += 1
             if worker.arm():
                 return
-        # UCX still has work (a large transfer, or sends stuck towards a dead peer until the
-        # control plane notices): come back after the loop has run its other callbacks.
+        # UCX still has work (a large transfer, a flood of arrivals, or sends stuck towards a
+        # dead peer until the control plane notices): come back after the loop has run its
+        # other callbacks (other lanes, heartbeats), so no peer can starve the others.
         self._schedule_drive()
 
     expecting: Callable[[], bool] | None = None
@@ -248,20 +259,40 @@ class Lane:
         few misses (a peer on this thread, or a slow one) the lane stops trying for a while."""
         return self._spin_misses < _SPIN_MISSES or self.wakeups % 64 == 0
 
-    def _take_arrivals(self) -> None:
+    on_stray: Arrival | None = None
+    """Set by the owner: takes every message no watch matches (with :meth:`recv_arrived_many`),
+    so none stays in UCX's unexpected queue; unset, such messages are left there."""
+
+    def _take_arrivals(self) -> bool:
+        """Hand arrived messages to their watches, at most ``_MAX_ARRIVALS`` per watch; True
+        if some may be left (the caller comes back before sleeping)."""
+        more = False
         for tag, mask, on_arrival in self._watches:
-            while not self._closed:
+            for _ in range(_MAX_ARRIVALS):
+                if self._closed:
+                    return False
                 message = self._worker.tag_probe(tag, mask, remove=True)
                 if not message.matched:
                     break
                 _run(on_arrival, message.sender_tag.value, message.length, message)
+            else:
+                more = True
         for raw_tag, raw_mask, on_raw in self._raw_watches:
-            while not self._closed:
-                found = iov.probe(self._worker, raw_tag, raw_mask)
-                if found is None:
-                    break
-                handle, sender_tag, length = found
-                _run(on_raw, sender_tag, length, handle)
+            more = self._take_raw(raw_tag, raw_mask, on_raw) or more
+        if not more and self.on_stray is not None:  # every watched message is taken by now
+            more = self._take_raw(0, 0, self.on_stray)
+        return more
+
+    def _take_raw(self, tag: int, mask: int, on_raw: Arrival) -> bool:
+        for _ in range(_MAX_ARRIVALS):
+            if self._closed:
+                return False
+            found = iov.probe(self._worker, tag, mask)
+            if found is None:
+                return False
+            handle, sender_tag, length = found
+            _run(on_raw, sender_tag, length, handle)
+        return True
 
     def _reap(self, everything: bool) -> None:
         """Run the completions of finished requests.

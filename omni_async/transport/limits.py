@@ -4,6 +4,10 @@ The receiver refuses a header over a wire limit as a protocol violation (and dro
 so a legitimate call must never produce one: block writes too large for one request are split
 into several that settle as one transfer (:func:`split_runs`); a chunk message that cannot be
 carried fails locally before anything is sent (:func:`check_message`).
+
+The receiver also bounds what it holds per peer (payload messages pending, bytes of chunk
+buffers allocated for payloads not received yet) and drops a peer that exceeds it; the
+sender's :class:`Window` keeps its unacknowledged requests within the same bounds.
 """
 
 from __future__ import annotations
@@ -13,7 +17,59 @@ from typing import Any
 
 from ..errors import InvalidMessage
 from ..region import Run
-from ..wire import MAX_FRAMES, MAX_KEY, MAX_META_BYTES, RUNS_PER_REQUEST
+from ..wire import (
+    MAX_FRAMES,
+    MAX_KEY,
+    MAX_META_BYTES,
+    MAX_PENDING_PAYLOADS,
+    MIN_RECEIVE_BUDGET,
+    RUNS_PER_REQUEST,
+)
+
+
+def receive_budget(max_message_bytes: int) -> int:
+    """Bytes of chunk-message buffers a receiver with this ``max_message_bytes`` allocates per
+    peer for payloads announced and not received yet (a sender computes it from the Hello)."""
+    return max(max_message_bytes, MIN_RECEIVE_BUDGET)
+
+
+class Window:
+    """The sender's account of what the receiver holds for it: payload messages and chunk
+    bytes of requests sent and not acknowledged.  A request is sent only if it
+    :meth:`fits`; each request on its own always fits an empty window (its payload messages
+    are at most ``RUNS_PER_REQUEST``, its bytes at most ``max_message_bytes``)."""
+
+    __slots__ = ("_shares", "max_bytes", "max_messages", "messages", "nbytes")
+
+    def __init__(self, max_message_bytes: int, max_messages: int = MAX_PENDING_PAYLOADS) -> None:
+        self.max_messages = max_messages
+        self.max_bytes = receive_budget(max_message_bytes)
+        self.messages = 0
+        self.nbytes = 0
+        self._shares: dict[int, list[tuple[int, int]]] = {}
+
+    def fits(self, messages: int, nbytes: int) -> bool:
+        return self.messages + messages <= self.max_messages and self.nbytes + nbytes <= self.max_bytes
+
+    def take(self, transfer_id: int, messages: int, nbytes: int) -> None:
+        """Account a request of ``transfer_id`` just sent."""
+        self.messages += messages
+        self.nbytes += nbytes
+        self._shares.setdefault(transfer_id, []).append((messages, nbytes))
+
+    def release(self, transfer_id: int) -> None:
+        """An acknowledgement for ``transfer_id`` arrived: release one of its requests (the
+        smallest: the answers of a split write may come in any order, and releasing too little
+        is safe; the last answer releases the rest).  Unknown ids are ignored."""
+        shares = self._shares.get(transfer_id)
+        if not shares:
+            return
+        smallest = min(shares)
+        shares.remove(smallest)
+        if not shares:
+            del self._shares[transfer_id]
+        self.messages -= smallest[0]
+        self.nbytes -= smallest[1]
 
 
 def split_runs(runs: Sequence[Run], max_blocks: int, max_runs: int = RUNS_PER_REQUEST) -> list[list[Run]]:

@@ -25,6 +25,7 @@ import asyncio
 import inspect
 import itertools
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,6 +57,7 @@ from ..wire import (
     HEADER_TAG,
     KIND_MASK,
     MAX_HEADER_BYTES,
+    MAX_PENDING_PAYLOADS,
     SEQ_MASK,
     Ack,
     DataHeader,
@@ -69,14 +71,12 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
-from .limits import check_message, split_runs
+from .limits import Window, check_message, receive_budget, split_runs
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
 log = logging.getLogger(__name__)
 
-MAX_EARLY = 4096
-"""Payload messages a lane may hold for headers it has not handled yet."""
 _GATHER_MAX_RUN = 256 * 1024
 """Writes whose runs average less than this many bytes are gathered into one message."""
 DRAIN_TIMEOUT = 2.0
@@ -107,10 +107,11 @@ def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
 
 
 class _Sent:
-    """A transfer in flight: its deadline timer, kind and start time (for metrics), and how
-    many requests it went out as (a large write is split: it settles on the last answer)."""
+    """A transfer in flight: its deadline timer, kind and start time (for metrics), how many
+    requests it goes out as (a large write is split: it settles on the last answer) and how
+    many of them were posted (the others wait for the receiver's window)."""
 
-    __slots__ = ("error", "kind", "parts", "started", "timer", "transfer")
+    __slots__ = ("error", "kind", "parts", "posted", "started", "timer", "transfer")
 
     def __init__(self, transfer: Transfer, timer: asyncio.TimerHandle, kind: Kind, started: float) -> None:
         self.transfer = transfer
@@ -118,6 +119,7 @@ class _Sent:
         self.kind = kind
         self.started = started
         self.parts = 1
+        self.posted = 0
         self.error: OmniAsyncError | None = None
 
 
@@ -128,12 +130,22 @@ class _Link:
     peer: PeerInfo
     lane: Lane
     next_seq: int = 0
-    expected: dict[int, tuple[list[npt.NDArray[np.uint8]], Completion]] = field(default_factory=dict)
-    """Payload messages announced by a header and not arrived yet: seq -> (buffers, done)."""
+    expected: dict[int, tuple[list[npt.NDArray[np.uint8]], int, Completion]] = field(default_factory=dict)
+    """Payload messages announced by a header and not arrived yet: seq -> (buffers, length,
+    done); the buffers may be shorter than the announced length (a refused write's payload is
+    received into a 1-byte scratch buffer: UCX truncates it)."""
     early: dict[int, tuple[int, Any]] = field(default_factory=dict)
     """Payload messages that arrived before their header was handled: seq -> (length, message)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
+    window: Window = field(init=False)
+    """What the peer holds for this side's unacknowledged requests (within its limits)."""
+    queue: deque[tuple[int, int, int, Callable[[], None]]] = field(default_factory=deque)
+    """Requests waiting for the window: (transfer_id, payload messages, bytes, post)."""
+    pending_bytes: int = 0
+    """Bytes of chunk buffers allocated for this peer's payloads not received yet."""
+    scratch: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(1, np.uint8))
+    """Where refused or stray payloads go (UCX truncates them: nothing is allocated)."""
     gather: bool = False
     """Send each block write as one gathered message (peers on this host over shared memory:
     measured faster; over tcp one message per run is faster, see docs/tuning.md)."""
@@ -141,6 +153,9 @@ class _Link:
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
+
+    def __post_init__(self) -> None:
+        self.window = Window(self.peer.max_message_bytes)
 
     def take_seq(self, count: int) -> int:
         seq = self.next_seq
@@ -221,6 +236,7 @@ class UcxTransport:
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
+        lane.on_stray = partial(self._stray_arrived, link)
         lane.expecting = lambda: bool(link.sent or link.expected)
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
@@ -236,6 +252,7 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
+        link.queue.clear()
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -245,17 +262,18 @@ class UcxTransport:
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
         else:
-            self._consume_early(link)
-            self.discard_lane(link.lane, error)
+            self._release_link(link, error)
         return True
 
-    @staticmethod
-    def _consume_early(link: _Link) -> None:
-        """Take payload messages whose header never came into scratch memory, so UCX is not
-        left holding probed messages nobody received."""
-        for length, message in link.early.values():
-            link.lane.recv_arrived_many([np.empty(length, np.uint8)], message, _ignore)
+    def _release_link(self, link: _Link, error: OmniAsyncError) -> None:
+        """Let go of everything a removed peer owned: payload messages whose header never came
+        are taken (truncated into scratch), so UCX is not left holding probed messages nobody
+        received; the buffers announced for it are dropped; its lane closes."""
+        for _length, message in link.early.values():
+            link.lane.recv_arrived_many([link.scratch], message, _ignore)
         link.early.clear()
+        self.discard_lane(link.lane, error)
+        link.expected.clear()
 
     async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
         """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
@@ -267,8 +285,7 @@ class UcxTransport:
                     break
                 await asyncio.sleep(_DRAIN_TICK)  # only while a lane drains, at most DRAIN_TIMEOUT
         finally:
-            self._consume_early(link)
-            self.discard_lane(link.lane, error)
+            self._release_link(link, error)
 
     def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
         """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
@@ -315,15 +332,16 @@ class UcxTransport:
         requests = split_runs(runs, link.peer.max_write_blocks)
         link.sent[transfer.id].parts = len(requests)
         for request in requests:
-            self._post_write(link, transfer.id, request)
+            nbytes = sum(run.length for run in request) * block_len
+            # Many small runs: one gathered message (Python cost per message dominates).  Large
+            # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
+            gather = link.gather and len(request) > 1 and nbytes < _GATHER_MAX_RUN * len(request)
+            post = partial(self._post_write, link, transfer.id, request, gather)
+            self._post(link, transfer.id, 1 if gather else len(request), 0, post)
         return transfer
 
-    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run]) -> None:
+    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
-        nbytes = sum(run.length for run in runs) * self.region.block_len
-        # Many small runs: one gathered message (Python cost per message dominates).  Large
-        # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
-        gather = link.gather and len(runs) > 1 and nbytes < _GATHER_MAX_RUN * len(runs)
         seq = link.take_seq(1 if gather else len(runs))
         header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], gather)
         on_sent = partial(self._sent, link, transfer_id)
@@ -352,14 +370,47 @@ class UcxTransport:
         sizes = [int(view.nbytes) for view in views]
         check_message(key, meta, sizes, link.peer.max_message_bytes)
         transfer = self._new_transfer(link, sum(sizes), "messages")
-        seq = link.take_seq(1)
-        header = MessageHeader(transfer.id, seq, key, meta, sizes)
-        on_sent = partial(self._sent, link, transfer.id)
-        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         payload = [view for view in views if view.nbytes]
+        post = partial(self._post_message, link, transfer.id, key, meta, sizes, payload)
+        self._post(link, transfer.id, 1 if payload else 0, transfer.nbytes, post)
+        return transfer
+
+    def _post_message(
+        self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
+    ) -> None:
+        seq = link.take_seq(1)
+        header = MessageHeader(transfer_id, seq, key, meta, sizes)
+        on_sent = partial(self._sent, link, transfer_id)
+        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         if payload:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
-        return transfer
+
+    def _post(self, link: _Link, transfer_id: int, messages: int, nbytes: int, post: Callable[[], None]) -> None:
+        """Post a request now if the receiver's window has room (and nothing waits before it),
+        else queue it; :meth:`_pump` posts it once acknowledgements make room."""
+        if not link.queue and link.window.fits(messages, nbytes):
+            self._post_now(link, transfer_id, messages, nbytes, post)
+        else:
+            link.queue.append((transfer_id, messages, nbytes, post))
+
+    @staticmethod
+    def _post_now(link: _Link, transfer_id: int, messages: int, nbytes: int, post: Callable[[], None]) -> None:
+        link.window.take(transfer_id, messages, nbytes)
+        link.sent[transfer_id].posted += 1
+        post()
+
+    def _pump(self, link: _Link) -> None:
+        """Post queued requests, in order, while the window has room; drop settled ones."""
+        queue = link.queue
+        while queue:
+            transfer_id, messages, nbytes, post = queue[0]
+            if transfer_id not in link.sent:  # cancelled, expired or failed while it waited
+                queue.popleft()
+            elif link.window.fits(messages, nbytes):
+                queue.popleft()
+                self._post_now(link, transfer_id, messages, nbytes, post)
+            else:
+                return
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
@@ -414,8 +465,8 @@ class UcxTransport:
         link = self._links.get(transfer.peer_id)
         if link is None or transfer.id not in link.sent:
             return False
-        if mode == "wait":
-            return True
+        if mode == "wait" and link.sent[transfer.id].posted:
+            return True  # nothing of it left this side if nothing was posted: settle now
         sent = link.sent.pop(transfer.id)
         sent.timer.cancel()
         self.metrics.settled(sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started)
@@ -433,25 +484,66 @@ class UcxTransport:
         seq = tag & SEQ_MASK
         entry = link.expected.pop(seq, None)
         if entry is None:
-            if len(link.early) >= MAX_EARLY:
-                self._fault(link.peer.peer_id, ProtocolError(f"over {MAX_EARLY} payload messages without a header"))
-            else:
-                link.early[seq] = (length, message)
+            link.early[seq] = (length, message)  # taken now, so counted before the check
+            self._admit(link, seq, 0, 0)
             return
         self._take_payload(link, seq, length, message, *entry)
 
-    def _expect(self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion) -> None:
-        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now)."""
+    def _stray_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
+        """A message no watch took: a header or payload that arrived after its watch looked
+        is handled as such; one on a tag this protocol never uses is taken (truncated into
+        scratch) and is a violation."""
+        if tag & KIND_MASK == DATA_KIND:
+            self._data_arrived(link, tag, length, message)
+        elif tag == HEADER_TAG and length <= MAX_HEADER_BYTES:
+            buffer = np.empty(length, np.uint8)
+            link.lane.recv_arrived_many([buffer], message, partial(self._on_header, link, buffer))
+        else:
+            link.lane.recv_arrived_many([link.scratch], message, _ignore)
+            self._fault(link.peer.peer_id, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
+
+    def _admit(self, link: _Link, seq: int, messages: int, nbytes: int) -> bool:
+        """Account a header's payload messages (``seq`` on) and chunk bytes against the
+        per-peer bounds (which the peer's sender window respects); a peer over them broke the
+        protocol and is dropped (returns False)."""
+        early = link.early
+        pending = len(link.expected) + len(early) + sum(1 for i in range(seq, seq + messages) if i not in early)
+        budget = receive_budget(self.config.max_message_bytes)
+        if pending > MAX_PENDING_PAYLOADS or link.pending_bytes + nbytes > budget:
+            self._fault(
+                link.peer.peer_id,
+                ProtocolError(
+                    f"over the receive bounds: {pending} payload messages pending (at most "
+                    f"{MAX_PENDING_PAYLOADS}), {link.pending_bytes + nbytes} bytes (at most {budget})"
+                ),
+            )
+            return False
+        link.pending_bytes += nbytes
+        return True
+
+    def _expect(
+        self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion, length: int = -1
+    ) -> None:
+        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now).
+
+        ``length`` is the announced size when the buffers are shorter (a truncated drain)."""
+        announced = sum(buffer.nbytes for buffer in buffers) if length < 0 else length
         early = link.early.pop(seq, None)
         if early is None:
-            link.expected[seq] = (buffers, done)
+            link.expected[seq] = (buffers, announced, done)
         else:
-            self._take_payload(link, seq, early[0], early[1], buffers, done)
+            self._take_payload(link, seq, early[0], early[1], buffers, announced, done)
 
     def _take_payload(
-        self, link: _Link, seq: int, length: int, message: Any, buffers: list[npt.NDArray[np.uint8]], done: Completion
+        self,
+        link: _Link,
+        seq: int,
+        length: int,
+        message: Any,
+        buffers: list[npt.NDArray[np.uint8]],
+        announced: int,
+        done: Completion,
     ) -> None:
-        announced = sum(buffer.nbytes for buffer in buffers)
         if length != announced:
             self._fault(
                 link.peer.peer_id,
@@ -482,14 +574,15 @@ class UcxTransport:
             self._on_message(link, header)
 
     def _on_ack(self, link: _Link, ack: Ack) -> None:
+        link.window.release(ack.transfer_id)  # the receiver let go of it, settled here or not
         sent = link.sent.get(ack.transfer_id)
-        if sent is None:
-            return  # settled already (cancelled, expired), or an id this side never used
-        if ack.code and sent.error is None:
-            sent.error = error_from_code(ack.code, ack.reason)
-        sent.parts -= 1
-        if sent.parts <= 0:
-            self._settle(link, ack.transfer_id, sent.error)
+        if sent is not None:  # else settled already (cancelled, expired), or an unknown id
+            if ack.code and sent.error is None:
+                sent.error = error_from_code(ack.code, ack.reason)
+            sent.parts -= 1
+            if sent.parts <= 0:
+                self._settle(link, ack.transfer_id, sent.error)
+        self._pump(link)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
         array = self.region.array
@@ -497,6 +590,8 @@ class UcxTransport:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
             self._drain(link, req, InvalidBlocks(str(exc)))
+            return
+        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
             return
         finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
         rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
@@ -508,26 +603,28 @@ class UcxTransport:
                 self._expect(link, req.seq + i, [row], parts.done)
 
     def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
-        """Receive a refused write's payload into scratch memory, then send the refusal."""
-        block_len = self.region.block_len
-        total = sum(count for _, count in req.runs)
-        if total > self.config.max_write_blocks or total * block_len > self.region.nbytes:
-            self._fault(link.peer.peer_id, ProtocolError(f"refused write is too large to drain: {reason}"))
+        """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
+        lingers in UCX's queues), then send the refusal."""
+        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
             return
+        block_len = self.region.block_len
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
         refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
         parts = _Countdown(1 if req.gathered else len(req.runs), lambda _error: refuse(reason))
         if req.gathered:
-            self._expect(link, req.seq, [np.empty(total * block_len, np.uint8)], parts.done)
+            total = sum(count for _, count in req.runs)
+            self._expect(link, req.seq, [link.scratch], parts.done, total * block_len)
         else:
             for i, (_, count) in enumerate(req.runs):
-                self._expect(link, req.seq + i, [np.empty(count * block_len, np.uint8)], parts.done)
+                self._expect(link, req.seq + i, [link.scratch], parts.done, count * block_len)
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
         try:
             nbytes = validate_message(hdr, self.config.max_message_bytes)
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
+            return
+        if not self._admit(link, hdr.seq, 1 if nbytes else 0, nbytes):
             return
         frames = [np.empty(size, np.uint8) for size in hdr.frames]
         receiving = [frame for frame in frames if frame.nbytes]
@@ -540,6 +637,7 @@ class UcxTransport:
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
+        link.pending_bytes -= nbytes  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
         if error is not None or link.leaving:
             answer(error)  # a leaving peer's messages are not delivered (nor acknowledged)
