@@ -6,11 +6,10 @@ import os
 
 import numpy as np
 import pytest
-import ucxx._lib.libucxx as ucx_api
 import zmq
 import zmq.asyncio
 
-from omni_async.transport.lane import Lane, new_context
+from omni_async.transport.lane import Lane, load_ucxx, new_context
 from omni_async.wire import MAX_CONTROL_BYTES, Hello, Reject, Welcome, decode_control, encode_control
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,7 +20,7 @@ _workers = []
 
 def real_address() -> bytes:
     """The address of a live UCX worker (kept alive for the whole test session)."""
-    worker = ucx_api.UCXWorker(new_context("^cma"), enable_delayed_submission=False, enable_python_future=False)
+    worker = load_ucxx().UCXWorker(new_context("^cma"), enable_delayed_submission=False, enable_python_future=False)
     _workers.append(worker)
     return bytes(worker.address.tobytes())
 

@@ -71,3 +71,75 @@ async def test_a_sink_that_raises_fails_its_message_with_a_failed_ack(make_agent
     await asyncio.wait_for(a.send_message("b", "good", b"", [b"xyz"]), 5)
     assert got == ["good"]
     assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+def test_lanes_on_two_threads_never_see_each_others_probes():
+    """ctypes calls release the GIL: probe results live per lane, not in shared state."""
+    import threading
+
+    failures: list[str] = []
+    counts: list[int] = []
+
+    def hammer(kind: int, size: int) -> None:
+        async def run() -> None:
+            sender, receiver = await lanes()
+            seen = 0
+
+            def arrived(tag, length, message):
+                nonlocal seen
+                seen += 1
+                if tag >> 60 != kind or length != size:
+                    failures.append(f"lane {kind} probed tag {tag:#x} of {length} bytes")
+                receiver.recv_arrived_many([np.empty(length, np.uint8)], message, lambda error: None)
+
+            receiver.watch(0, 0, arrived, raw=True)
+            payload = np.ones(size, np.uint8)
+            try:
+                async with asyncio.timeout(30):
+                    for batch in range(40):
+                        for i in range(250):
+                            sender.send(payload, (kind << 60) | (batch * 250 + i), lambda error: None)
+                        while seen < (batch + 1) * 250:
+                            await asyncio.sleep(0)
+            finally:
+                counts.append(seen)
+                await close(sender, receiver)
+
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=hammer, args=(kind, 64 * kind)) for kind in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == [], failures[:5]
+    assert counts == [10_000] * 3
+
+
+def test_importing_the_transport_has_no_side_effects():
+    """No environment edit and no UCX library loaded at import; both happen on first use
+    (ucxx's GPU UCX_* writes undone, UCX_LOG_FILE defaulted to stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os, sys
+before = dict(os.environ)
+import omni_async.transport.iov
+import omni_async.transport.lane as lane
+assert "ucxx" not in sys.modules, "ucxx imported"
+assert dict(os.environ) == before, "environment edited at import"
+assert "libucp" not in open("/proc/self/maps").read(), "libucp loaded at import"
+lane.new_context("^cma", "lo")
+assert "ucxx" in sys.modules
+expected = {k: v for k, v in before.items() if k.startswith("UCX_")}
+expected.setdefault("UCX_LOG_FILE", "stderr")
+assert {k: v for k, v in os.environ.items() if k.startswith("UCX_")} == expected, os.environ
+print("ok")
+"""
+    env = {key: value for key, value in os.environ.items() if key != "UCX_LOG_FILE"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": root},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -18,29 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-# UCX logs to stdout by default, where it would mix with a program's own output.  This only
-# takes effect if omni_async is imported before anything else loads UCX.
-os.environ.setdefault("UCX_LOG_FILE", "stderr")
-# Importing ucxx writes UCX_* tunings for GPUs (UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE=cuda,
-# UCX_MAX_RNDV_RAILS, and UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows) into os.environ,
-# where every UCX context and every child process would pick them up.  Undo that: our contexts
-# get what they need through new_context's config.
-_ucx_environ = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
-
-import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
-
-from ..errors import PeerLost, ProtocolError  # noqa: E402
-from . import iov  # noqa: E402
-
-for _key in [key for key in os.environ if key.startswith("UCX_") and key not in _ucx_environ]:
-    del os.environ[_key]
-os.environ.update(_ucx_environ)
+from ..errors import PeerLost, ProtocolError
+from . import iov
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +46,40 @@ _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the p
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
+ucx_api: Any = None
+"""ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
+_Array: Any = None
+_load_lock = threading.Lock()
+
+
+def load_ucxx() -> Any:
+    """Import ucxx on first use (never at import) and return its ``libucxx`` module.
+
+    UCX logs to stdout by default, where it would mix with a program's own output: unless
+    set, ``UCX_LOG_FILE=stderr`` (this only takes effect if UCX is not loaded yet).  Importing
+    ucxx writes UCX_* tunings for GPUs (UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE=cuda,
+    UCX_MAX_RNDV_RAILS, and UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows) into
+    os.environ, where every UCX context and every child process would pick them up: they are
+    undone; our contexts get what they need through :func:`new_context`'s config.
+    """
+    global ucx_api, _Array
+    with _load_lock:
+        if ucx_api is None:
+            os.environ.setdefault("UCX_LOG_FILE", "stderr")
+            before = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
+            import ucxx._lib.libucxx as api
+            from ucxx._lib.arr import Array
+
+            for key in [key for key in os.environ if key.startswith("UCX_") and key not in before]:
+                del os.environ[key]
+            os.environ.update(before)
+            ucx_api, _Array = api, Array
+    return ucx_api
+
+
 def new_context(tls: str, net_devices: str = "") -> Any:
     """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set)."""
+    load_ucxx()
     # Messages from 8 KiB on go by rendezvous, received straight into the target buffer (the
     # default threshold sends 64 KiB blocks eagerly through bounce buffers: ~10x slower here).
     config = {"TLS": tls, "RNDV_THRESH": "8192"}
@@ -82,6 +99,7 @@ class Lane:
 
     def __init__(self, context: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        load_ucxx()
         self._worker: Any = ucx_api.UCXWorker(
             context, enable_delayed_submission=False, enable_python_future=False
         )
@@ -91,6 +109,7 @@ class Lane:
         self._pending: deque[tuple[Any, Completion, object]] = deque()
         self._watches: list[tuple[Any, Any, Arrival]] = []
         self._raw_watches: list[tuple[int, int, Arrival]] = []
+        self._probe_info = iov.RecvInfo()
         self._drive_scheduled = False
         self._spin_misses = 0
         self._closed = False
@@ -143,7 +162,7 @@ class Lane:
         if self._closed:
             _run(done, self._close_reason)
             return
-        request = self._endpoint.tag_send(Array(buffer), ucx_api.UCXXTag(tag))
+        request = self._endpoint.tag_send(_Array(buffer), ucx_api.UCXXTag(tag))
         self._track(request, done, buffer)
 
     def watch(self, tag: int, mask: int, on_arrival: Arrival, *, raw: bool = False) -> None:
@@ -192,7 +211,7 @@ class Lane:
             _run(done, self._close_reason)
             return
         # The probe result owns the UCX message handle: keep it alive with the buffer.
-        self._track(self._worker.tag_recv_with_handle(Array(buffer), message), done, (buffer, message))
+        self._track(self._worker.tag_recv_with_handle(_Array(buffer), message), done, (buffer, message))
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
@@ -287,7 +306,7 @@ class Lane:
         for _ in range(_MAX_ARRIVALS):
             if self._closed:
                 return False
-            found = iov.probe(self._worker, tag, mask)
+            found = iov.probe(self._worker, tag, mask, self._probe_info)
             if found is None:
                 return False
             handle, sender_tag, length = found
