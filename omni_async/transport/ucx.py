@@ -388,6 +388,8 @@ class UcxTransport:
     def _post(self, link: _Link, transfer_id: int, messages: int, nbytes: int, post: Callable[[], None]) -> None:
         """Post a request now if the receiver's window has room (and nothing waits before it),
         else queue it; :meth:`_pump` posts it once acknowledgements make room."""
+        if link.queue:
+            self._pump(link)  # drop requests settled while they waited
         if not link.queue and link.window.fits(messages, nbytes):
             self._post_now(link, transfer_id, messages, nbytes, post)
         else:
