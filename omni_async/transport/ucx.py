@@ -27,7 +27,7 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -57,7 +57,6 @@ from ..wire import (
     HEADER_TAG,
     KIND_MASK,
     MAX_HEADER_BYTES,
-    MAX_PENDING_PAYLOADS,
     SEQ_MASK,
     Ack,
     DataHeader,
@@ -72,6 +71,7 @@ from ..wire import (
 )
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, receive_budget, split_runs
+from .protocol import Inbox
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -130,20 +130,16 @@ class _Link:
     peer: PeerInfo
     lane: Lane
     next_seq: int = 0
-    expected: dict[int, tuple[list[npt.NDArray[np.uint8]], int, Completion]] = field(default_factory=dict)
-    """Payload messages announced by a header and not arrived yet: seq -> (buffers, length,
-    done); the buffers may be shorter than the announced length (a refused write's payload is
-    received into a 1-byte scratch buffer: UCX truncates it)."""
-    early: dict[int, tuple[int, Any]] = field(default_factory=dict)
-    """Payload messages that arrived before their header was handled: seq -> (length, message)."""
+    inbox: Inbox[tuple[list[npt.NDArray[np.uint8]], Completion]] = field(init=False)
+    """Payload messages matched to their headers: each goes to (buffers, done); the buffers
+    may be shorter than the announced length (a refused write's payload is received into a
+    1-byte scratch buffer: UCX truncates it)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
     window: Window = field(init=False)
     """What the peer holds for this side's unacknowledged requests (within its limits)."""
     queue: deque[tuple[int, int, int, Callable[[], None]]] = field(default_factory=deque)
     """Requests waiting for the window: (transfer_id, payload messages, bytes, post)."""
-    pending_bytes: int = 0
-    """Bytes of chunk buffers allocated for this peer's payloads not received yet."""
     scratch: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(1, np.uint8))
     """Where refused or stray payloads go (UCX truncates them: nothing is allocated)."""
     gather: bool = False
@@ -154,8 +150,12 @@ class _Link:
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
 
-    def __post_init__(self) -> None:
+    receive_bytes: InitVar[int] = 0
+    """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
+
+    def __post_init__(self, receive_bytes: int) -> None:
         self.window = Window(self.peer.max_message_bytes)
+        self.inbox = Inbox(receive_bytes)
 
     def take_seq(self, count: int) -> int:
         seq = self.next_seq
@@ -232,12 +232,17 @@ class UcxTransport:
         self._check_open()
         if peer.peer_id in self._links:
             raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
-        link = _Link(peer, lane, gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp")
+        link = _Link(
+            peer,
+            lane,
+            gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
+            receive_bytes=receive_budget(self.config.max_message_bytes),
+        )
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
         lane.on_stray = partial(self._stray_arrived, link)
-        lane.expecting = lambda: bool(link.sent or link.expected)
+        lane.expecting = lambda: bool(link.sent) or link.inbox.expecting
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -269,17 +274,15 @@ class UcxTransport:
         """Let go of everything a removed peer owned: payload messages whose header never came
         are taken (truncated into scratch), so UCX is not left holding probed messages nobody
         received; the buffers announced for it are dropped; its lane closes."""
-        for _length, message in link.early.values():
+        for message in link.inbox.release():
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
-        link.early.clear()
         self.discard_lane(link.lane, error)
-        link.expected.clear()
 
     async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
         """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
         deadline = self._loop.time() + DRAIN_TIMEOUT
         try:
-            while not (link.peer_left and link.lane.in_flight == 0 and not link.expected):
+            while not (link.peer_left and link.lane.in_flight == 0 and not link.inbox.expecting):
                 if self._loop.time() > deadline:
                     log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
                     break
@@ -492,13 +495,14 @@ class UcxTransport:
         link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
 
     def _data_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
-        seq = tag & SEQ_MASK
-        entry = link.expected.pop(seq, None)
-        if entry is None:
-            link.early[seq] = (length, message)  # taken now, so counted before the check
-            self._admit(link, seq, 0, 0)
+        try:
+            take = link.inbox.arrived(tag & SEQ_MASK, length, message)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
             return
-        self._take_payload(link, seq, length, message, *entry)
+        if take is not None:
+            message, (buffers, done) = take
+            link.lane.recv_arrived_many(buffers, message, done)
 
     def _stray_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
         """A message no watch took: a header or payload that arrived after its watch looked
@@ -517,51 +521,29 @@ class UcxTransport:
         """Account a header's payload messages (``seq`` on) and chunk bytes against the
         per-peer bounds (which the peer's sender window respects); a peer over them broke the
         protocol and is dropped (returns False)."""
-        early = link.early
-        pending = len(link.expected) + len(early) + sum(1 for i in range(seq, seq + messages) if i not in early)
-        budget = receive_budget(self.config.max_message_bytes)
-        if pending > MAX_PENDING_PAYLOADS or link.pending_bytes + nbytes > budget:
-            self._fault(
-                link.peer.peer_id,
-                ProtocolError(
-                    f"over the receive bounds: {pending} payload messages pending (at most "
-                    f"{MAX_PENDING_PAYLOADS}), {link.pending_bytes + nbytes} bytes (at most {budget})"
-                ),
-            )
+        try:
+            link.inbox.admit(seq, messages, nbytes)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
             return False
-        link.pending_bytes += nbytes
         return True
 
     def _expect(
         self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion, length: int = -1
-    ) -> None:
-        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now).
+    ) -> bool:
+        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now);
+        False if that broke the protocol (the peer is dropped).
 
         ``length`` is the announced size when the buffers are shorter (a truncated drain)."""
         announced = sum(buffer.nbytes for buffer in buffers) if length < 0 else length
-        early = link.early.pop(seq, None)
-        if early is None:
-            link.expected[seq] = (buffers, announced, done)
-        else:
-            self._take_payload(link, seq, early[0], early[1], buffers, announced, done)
-
-    def _take_payload(
-        self,
-        link: _Link,
-        seq: int,
-        length: int,
-        message: Any,
-        buffers: list[npt.NDArray[np.uint8]],
-        announced: int,
-        done: Completion,
-    ) -> None:
-        if length != announced:
-            self._fault(
-                link.peer.peer_id,
-                ProtocolError(f"payload message {seq} has {length} bytes, its header announced {announced}"),
-            )
-            return
-        link.lane.recv_arrived_many(buffers, message, done)
+        try:
+            take = link.inbox.expect(seq, announced, (buffers, done))
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return False
+        if take is not None:
+            link.lane.recv_arrived_many(buffers, take[0], done)
+        return True
 
     def _on_header(self, link: _Link, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
         if error is not None:
@@ -611,7 +593,8 @@ class UcxTransport:
         else:
             parts = _Countdown(len(rows), finish)
             for i, row in enumerate(rows):
-                self._expect(link, req.seq + i, [row], parts.done)
+                if not self._expect(link, req.seq + i, [row], parts.done):
+                    return
 
     def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
         """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
@@ -627,7 +610,8 @@ class UcxTransport:
             self._expect(link, req.seq, [link.scratch], parts.done, total * block_len)
         else:
             for i, (_, count) in enumerate(req.runs):
-                self._expect(link, req.seq + i, [link.scratch], parts.done, count * block_len)
+                if not self._expect(link, req.seq + i, [link.scratch], parts.done, count * block_len):
+                    return
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
         try:
@@ -648,7 +632,7 @@ class UcxTransport:
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
-        link.pending_bytes -= nbytes  # received (or failed): the sink owns the frames now
+        link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
         if error is not None or link.leaving:
             answer(error)  # a leaving peer's messages are not delivered (nor acknowledged)
