@@ -91,3 +91,59 @@ def test_admit_bounds_messages_and_bytes_and_counts_early_payloads_once():
     for seq in range(1, 4):
         lane.payload(seq, 10)
     assert sorted(lane.received) == [0, 1, 2, 3] and inbox.pending == 0
+
+
+def outbox(max_messages):
+    from omni_async.transport.limits import Window
+    from omni_async.transport.protocol import Outbox
+
+    return Outbox(Window(1 << 20, max_messages=max_messages))
+
+
+def test_outbox_posts_within_the_window_in_order_and_settles_on_the_last_answer():
+    box = outbox(max_messages=10)
+    assert box.submit(1, [(6, 0, "1a"), (6, 0, "1b")]) == ["1a"]  # 1b waits for room
+    assert box.submit(2, [(1, 0, "2a")]) == []  # in order: behind 1b
+    assert box.posted(1) and not box.posted(2)
+    assert box.answered(1, "", "") == (False, None, ["1b", "2a"])
+    assert box.answered(1, "invalid_blocks", "no") == (True, ("invalid_blocks", "no"), [])
+    assert box.answered(2, "", "") == (True, None, [])
+    assert box.answered(99, "", "") == (False, None, [])  # unknown ids are ignored
+    assert (box.window.messages, box.window.nbytes) == (0, 0)
+    assert [box.take_seq(3), box.take_seq(1), box.take_seq(2)] == [0, 3, 4]
+
+
+def test_outbox_cancel_in_both_modes():
+    box = outbox(max_messages=4)
+    assert box.submit(1, [(4, 0, "1")]) == ["1"]
+    assert box.submit(2, [(4, 0, "2")]) == []
+    # "wait" drains a transfer that left this side; one still waiting settles at once
+    assert box.posted(1) and not box.posted(2)
+    assert box.forget(2) == []  # cancelled (either mode): its request is dropped
+    assert box.forget(1) == []  # cancelled "immediate": what it posted keeps its window share
+    assert box.submit(3, [(4, 0, "3")]) == []
+    assert box.answered(1, "", "") == (False, None, ["3"])  # the late answer frees the window
+    assert box.forget(7) == []
+
+
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 4)), min_size=1, max_size=30), st.randoms())
+def test_outbox_never_exceeds_the_window_and_every_request_goes_out_once(transfers, rnd):
+    box = outbox(max_messages=8)
+    posted, settled, in_flight = [], set(), []
+    for transfer_id, (parts, messages) in enumerate(transfers):
+        for post in box.submit(transfer_id, [(messages, 0, (transfer_id, i)) for i in range(parts)]):
+            posted.append(post)
+            in_flight.append(post[0])
+        assert box.window.messages <= 8
+    while in_flight:
+        transfer_id = in_flight.pop(rnd.randrange(len(in_flight)))
+        done, _, posts = box.answered(transfer_id, "", "")
+        if done:
+            settled.add(transfer_id)
+        for post in posts:
+            posted.append(post)
+            in_flight.append(post[0])
+        assert box.window.messages <= 8
+    assert sorted(posted) == sorted((t, i) for t, (parts, _) in enumerate(transfers) for i in range(parts))
+    assert settled == set(range(len(transfers)))
+    assert box.window.messages == 0

@@ -25,7 +25,6 @@ import asyncio
 import inspect
 import itertools
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from functools import partial
@@ -71,7 +70,7 @@ from ..wire import (
 )
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, receive_budget, split_runs
-from .protocol import Inbox
+from .protocol import Inbox, Outbox
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -107,20 +106,15 @@ def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
 
 
 class _Sent:
-    """A transfer in flight: its deadline timer, kind and start time (for metrics), how many
-    requests it goes out as (a large write is split: it settles on the last answer) and how
-    many of them were posted (the others wait for the receiver's window)."""
+    """A transfer in flight: its deadline timer, kind and start time (for metrics)."""
 
-    __slots__ = ("error", "kind", "parts", "posted", "started", "timer", "transfer")
+    __slots__ = ("kind", "started", "timer", "transfer")
 
     def __init__(self, transfer: Transfer, timer: asyncio.TimerHandle, kind: Kind, started: float) -> None:
         self.transfer = transfer
         self.timer = timer
         self.kind = kind
         self.started = started
-        self.parts = 1
-        self.posted = 0
-        self.error: OmniAsyncError | None = None
 
 
 @dataclass(eq=False)
@@ -129,17 +123,14 @@ class _Link:
 
     peer: PeerInfo
     lane: Lane
-    next_seq: int = 0
     inbox: Inbox[tuple[list[npt.NDArray[np.uint8]], Completion]] = field(init=False)
     """Payload messages matched to their headers: each goes to (buffers, done); the buffers
     may be shorter than the announced length (a refused write's payload is received into a
     1-byte scratch buffer: UCX truncates it)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
-    window: Window = field(init=False)
-    """What the peer holds for this side's unacknowledged requests (within its limits)."""
-    queue: deque[tuple[int, int, int, Callable[[], None]]] = field(default_factory=deque)
-    """Requests waiting for the window: (transfer_id, payload messages, bytes, post)."""
+    outbox: Outbox[Callable[[], None]] = field(init=False)
+    """Sequence numbers, requests waiting for the peer's window, answers awaited."""
     scratch: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(1, np.uint8))
     """Where refused or stray payloads go (UCX truncates them: nothing is allocated)."""
     gather: bool = False
@@ -154,13 +145,8 @@ class _Link:
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
 
     def __post_init__(self, receive_bytes: int) -> None:
-        self.window = Window(self.peer.max_message_bytes)
+        self.outbox = Outbox(Window(self.peer.max_message_bytes))
         self.inbox = Inbox(receive_bytes)
-
-    def take_seq(self, count: int) -> int:
-        seq = self.next_seq
-        self.next_seq += count
-        return seq
 
 
 class _Countdown:
@@ -257,7 +243,7 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
-        link.queue.clear()
+        link.outbox.clear()
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -336,20 +322,20 @@ class UcxTransport:
             return transfer
         # More runs or blocks than one request may carry (the receiver's limits): several
         # requests under the same transfer id, settled by the last acknowledgement.
-        requests = split_runs(runs, link.peer.max_write_blocks)
-        link.sent[transfer.id].parts = len(requests)
-        for request in requests:
+        requests: list[tuple[int, int, Callable[[], None]]] = []
+        for request in split_runs(runs, link.peer.max_write_blocks):
             nbytes = sum(run.length for run in request) * block_len
             # Many small runs: one gathered message (Python cost per message dominates).  Large
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
             gather = link.gather and len(request) > 1 and nbytes < _GATHER_MAX_RUN * len(request)
             post = partial(self._post_write, link, transfer.id, request, gather)
-            self._post(link, transfer.id, 1 if gather else len(request), 0, post)
+            requests.append((1 if gather else len(request), 0, post))
+        _carry_out(link.outbox.submit(transfer.id, requests))
         return transfer
 
     def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
-        seq = link.take_seq(1 if gather else len(runs))
+        seq = link.outbox.take_seq(1 if gather else len(runs))
         header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], gather)
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
@@ -379,47 +365,18 @@ class UcxTransport:
         transfer = self._new_transfer(link, sum(sizes), "messages")
         payload = [view for view in views if view.nbytes]
         post = partial(self._post_message, link, transfer.id, key, meta, sizes, payload)
-        self._post(link, transfer.id, 1 if payload else 0, transfer.nbytes, post)
+        _carry_out(link.outbox.submit(transfer.id, [(1 if payload else 0, transfer.nbytes, post)]))
         return transfer
 
     def _post_message(
         self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
     ) -> None:
-        seq = link.take_seq(1)
+        seq = link.outbox.take_seq(1)
         header = MessageHeader(transfer_id, seq, key, meta, sizes)
         on_sent = partial(self._sent, link, transfer_id)
         link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         if payload:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
-
-    def _post(self, link: _Link, transfer_id: int, messages: int, nbytes: int, post: Callable[[], None]) -> None:
-        """Post a request now if the receiver's window has room (and nothing waits before it),
-        else queue it; :meth:`_pump` posts it once acknowledgements make room."""
-        if link.queue:
-            self._pump(link)  # drop requests settled while they waited
-        if not link.queue and link.window.fits(messages, nbytes):
-            self._post_now(link, transfer_id, messages, nbytes, post)
-        else:
-            link.queue.append((transfer_id, messages, nbytes, post))
-
-    @staticmethod
-    def _post_now(link: _Link, transfer_id: int, messages: int, nbytes: int, post: Callable[[], None]) -> None:
-        link.window.take(transfer_id, messages, nbytes)
-        link.sent[transfer_id].posted += 1
-        post()
-
-    def _pump(self, link: _Link) -> None:
-        """Post queued requests, in order, while the window has room; drop settled ones."""
-        queue = link.queue
-        while queue:
-            transfer_id, messages, nbytes, post = queue[0]
-            if transfer_id not in link.sent:  # cancelled, expired or failed while it waited
-                queue.popleft()
-            elif link.window.fits(messages, nbytes):
-                queue.popleft()
-                self._post_now(link, transfer_id, messages, nbytes, post)
-            else:
-                return
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
@@ -448,6 +405,8 @@ class UcxTransport:
         if sent is None:
             return  # settled already (cancelled, expired, acknowledged)
         sent.timer.cancel()
+        if self._links.get(link.peer.peer_id) is link:
+            _carry_out(link.outbox.forget(transfer_id))
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
             sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
@@ -477,10 +436,11 @@ class UcxTransport:
         link = self._links.get(transfer.peer_id)
         if link is None or transfer.id not in link.sent:
             return False
-        if mode == "wait" and link.sent[transfer.id].posted:
+        if mode == "wait" and link.outbox.posted(transfer.id):
             return True  # nothing of it left this side if nothing was posted: settle now
         sent = link.sent.pop(transfer.id)
         sent.timer.cancel()
+        _carry_out(link.outbox.forget(transfer.id))
         self.metrics.settled(
             sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started, transfer.peer_id
         )
@@ -567,15 +527,10 @@ class UcxTransport:
             self._on_message(link, header)
 
     def _on_ack(self, link: _Link, ack: Ack) -> None:
-        link.window.release(ack.transfer_id)  # the receiver let go of it, settled here or not
-        sent = link.sent.get(ack.transfer_id)
-        if sent is not None:  # else settled already (cancelled, expired), or an unknown id
-            if ack.code and sent.error is None:
-                sent.error = error_from_code(ack.code, ack.reason)
-            sent.parts -= 1
-            if sent.parts <= 0:
-                self._settle(link, ack.transfer_id, sent.error)
-        self._pump(link)
+        settled, error, posts = link.outbox.answered(ack.transfer_id, ack.code, ack.reason)
+        if settled:
+            self._settle(link, ack.transfer_id, error_from_code(*error) if error else None)
+        _carry_out(posts)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
         array = self.region.array
@@ -701,6 +656,12 @@ class UcxTransport:
             return self._links[peer_id]
         except KeyError:
             raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
+
+
+def _carry_out(posts: list[Callable[[], None]]) -> None:
+    """Post the requests the lane protocol released, in order."""
+    for post in posts:
+        post()
 
 
 def _ignore(_error: BaseException | None) -> None:
