@@ -52,6 +52,8 @@ class Agent:
             num_blocks=region.num_blocks,
             block_len=region.block_len,
             fingerprint=config_fingerprint(self.config.config_fields),
+            max_write_blocks=self.config.max_write_blocks,
+            max_message_bytes=self.config.max_message_bytes,
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None

@@ -40,6 +40,18 @@ MAX_FRAMES: Final = 1024
 MAX_KEY: Final = 1024
 MAX_META_BYTES: Final = 48 * 1024
 I64: Final = (1 << 63) - 1
+RUNS_PER_REQUEST: Final = 3072
+"""Most runs a sender puts in one :class:`WriteRequest`: the worst case (every number a
+9-byte msgpack integer, 19 bytes a run) still fits in :data:`MAX_HEADER_BYTES`."""
+MAX_PENDING_PAYLOADS: Final = 8192
+"""Most payload messages a receiver holds state for per peer (announced by a header and not
+received yet, or arrived before their header); a sender keeps its unacknowledged ones within."""
+MIN_RECEIVE_BUDGET: Final = 64 << 20
+"""Floor of a receiver's per-peer budget for chunk-message buffers (see ``limits.receive_budget``)."""
+DEFAULT_MAX_WRITE_BLOCKS: Final = 1 << 20
+"""A receiver's ``max_write_blocks`` when its Hello does not announce one."""
+DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30
+"""A receiver's ``max_message_bytes`` when its Hello does not announce one."""
 
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID)]
 Fingerprint = Annotated[str, msgspec.Meta(max_length=64)]
@@ -71,6 +83,10 @@ class Hello(_Msg, tag="hello", frozen=True):
     fingerprint: Fingerprint
     host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     """Identifies the sender's machine (kernel boot id): peers on one host gather writes."""
+    max_write_blocks: Count = DEFAULT_MAX_WRITE_BLOCKS
+    """Most blocks the sender accepts in one incoming write request (its receive limit)."""
+    max_message_bytes: Count = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest incoming chunk message the sender accepts (all frames together)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
