@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, VersionMismatch, error_from_code
 from .region import fingerprints_compatible
-from .wire import PROTOCOL_VERSION, Hello, Reject, Welcome
+from .wire import PROTOCOL_VERSION, Hello, RegionShare, Reject, Welcome
 
 H = TypeVar("H", bound=Hello)
 
@@ -30,6 +30,7 @@ class LocalIdentity:
     fingerprint: str
     nonce: int = 0
     host_id: str = ""
+    region_share: RegionShare | None = None
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -54,6 +55,7 @@ class LocalIdentity:
             block_len=self.block_len,
             fingerprint=self.fingerprint,
             host_id=self.host_id,
+            region_share=self.region_share,
         )
 
 
@@ -69,6 +71,7 @@ class PeerInfo:
     block_len: int
     fingerprint: str
     host_id: str = ""
+    region_share: RegionShare | None = None
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -81,6 +84,7 @@ class PeerInfo:
             block_len=msg.block_len,
             fingerprint=msg.fingerprint,
             host_id=msg.host_id,
+            region_share=msg.region_share,
         )
 
 

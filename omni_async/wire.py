@@ -54,6 +54,20 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
 
 
 # -- control plane (ZeroMQ) ------------------------------------------------------------------
+class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """How a peer on the same host may write this side's region with one copy.
+
+    ``pid`` is the advertising process; ``fd`` (or -1) and ``token`` name the sealed memfd its
+    region lives in (:mod:`omni_async.memfd`), which the peer maps through
+    ``/proc/<pid>/fd/<fd>`` after checking the token; without them the peer may write the
+    region at ``base_addr`` with ``process_vm_writev``.  See :mod:`omni_async.transport.shared`.
+    """
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    fd: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
+    token: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{32})?$")] = ""
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """First message of a handshake; :class:`Welcome` is the same description of the other side.
 
@@ -71,6 +85,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     fingerprint: Fingerprint
     host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     """Identifies the sender's machine (kernel boot id): peers on one host gather writes."""
+    region_share: RegionShare | None = None
+    """Offered to peers with the same ``host_id`` (None: write through UCX only)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -102,13 +118,16 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     """A block write: ``runs`` are ``(remote_start, count)``.
 
     ``gathered``: all runs travel as one payload message tagged ``seq``; otherwise run ``i`` is
-    its own message tagged ``seq + i``.
+    its own message tagged ``seq + i``.  ``placed``: no payload follows, the sender already
+    copied the rows into the receiver's region (same host, see
+    :mod:`omni_async.transport.shared`); the receiver checks the runs and acknowledges.
     """
 
     transfer_id: NonNeg
     seq: NonNeg
     runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
     gathered: bool = True
+    placed: bool = False
 
 
 class MessageHeader(_Msg, tag="m", frozen=True):

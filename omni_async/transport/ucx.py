@@ -22,6 +22,7 @@ violation: the transport reports it through ``fault`` and the owner drops the pe
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import itertools
 import logging
@@ -49,7 +50,7 @@ from ..errors import (
 )
 from ..handshake import PeerInfo
 from ..metrics import Kind, Metrics
-from ..region import BlockRegion, plan_runs
+from ..region import BlockRegion, Run, plan_runs
 from ..wire import (
     DATA_KIND,
     FULL_MASK,
@@ -69,6 +70,7 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
+from .shared import DirectWriter, open_writer
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -137,6 +139,9 @@ class _Link:
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
+    direct: DirectWriter | None = None
+    """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
+    block payloads go through UCX."""
 
     def take_seq(self, count: int) -> int:
         seq = self.next_seq
@@ -214,6 +219,8 @@ class UcxTransport:
         if peer.peer_id in self._links:
             raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
         link = _Link(peer, lane, gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp")
+        if self.config.same_host_lane:
+            link.direct = open_writer(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
@@ -232,6 +239,7 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
+        self._drop_direct(link)
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -305,6 +313,8 @@ class UcxTransport:
         if not runs:
             transfer.set_done()
             return transfer
+        if link.direct is not None and self._place(link, transfer, runs):
+            return transfer
         # Many small runs: one gathered message (Python cost per message dominates).  Large
         # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
         gather = link.gather and len(runs) > 1 and transfer.nbytes < _GATHER_MAX_RUN * len(runs)
@@ -321,6 +331,35 @@ class UcxTransport:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
         return transfer
+
+    def _place(self, link: _Link, transfer: Transfer, runs: list[Run]) -> bool:
+        """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
+
+        A peer that cannot be written (exited: PeerLost; no permission: TransferFailed) fails
+        this transfer only; later writes go through UCX.  Runs beyond the region the writer
+        reaches are not placed (returns False: the write goes through UCX, and the receiver
+        refuses it).
+        """
+        assert link.direct is not None
+        if max(run.remote + run.length for run in runs) > link.direct.num_blocks:
+            return False
+        try:
+            link.direct.place(self.region.array, runs)
+        except OSError as exc:
+            log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
+            self._drop_direct(link)
+            kind = PeerLost if exc.errno == errno.ESRCH else TransferFailed
+            self._settle(link, transfer.id, kind(f"same-host write failed: {exc}"))
+            return True
+        header = WriteRequest(transfer.id, link.next_seq, [(run.remote, run.length) for run in runs], placed=True)
+        link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer.id))
+        return True
+
+    @staticmethod
+    def _drop_direct(link: _Link) -> None:
+        direct, link.direct = link.direct, None
+        if direct is not None:
+            direct.close()
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
@@ -470,9 +509,15 @@ class UcxTransport:
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
-            self._drain(link, req, InvalidBlocks(str(exc)))
+            if req.placed:  # nothing to drain: the bytes went nowhere in our region
+                self._answer(link, req.transfer_id, "blocks", 0, InvalidBlocks(str(exc)))
+            else:
+                self._drain(link, req, InvalidBlocks(str(exc)))
             return
         finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
+        if req.placed:  # the sender already copied the rows into our region (same host)
+            finish(None)
+            return
         rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
         if req.gathered:
             self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
