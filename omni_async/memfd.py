@@ -36,7 +36,9 @@ class SharedSegment:
 
     The file descriptor stays open (close-on-exec) as long as this object lives, so that a
     peer can open it through ``/proc/<pid>/fd/<fd>``; :meth:`close` (or garbage collection)
-    closes it.  The mapping lives as long as a view of it does.
+    closes it.  The mapping lives as long as a view of it does (Python's ``mmap`` keeps its own
+    duplicate of the descriptor until then, so the kernel frees the memory when the region's
+    last view is gone, or when the process dies).
     """
 
     __slots__ = ("__weakref__", "_closer", "array", "fd", "token")

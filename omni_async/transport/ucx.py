@@ -335,8 +335,9 @@ class UcxTransport:
     def _place(self, link: _Link, transfer: Transfer, runs: list[Run]) -> bool:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
 
-        A peer that cannot be written (exited: PeerLost; no permission: TransferFailed) fails
-        this transfer only; later writes go through UCX.  Runs beyond the region the writer
+        A peer process that exited fails the transfer with PeerLost and is dropped (reported
+        through ``fault``, like a broken lane); any other failure (no permission) fails this
+        transfer only, with TransferFailed, and later writes go through UCX.  Runs beyond the region the writer
         reaches are not placed (returns False: the write goes through UCX, and the receiver
         refuses it).
         """
@@ -346,10 +347,14 @@ class UcxTransport:
         try:
             link.direct.place(self.region.array, runs)
         except OSError as exc:
-            log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
             self._drop_direct(link)
-            kind = PeerLost if exc.errno == errno.ESRCH else TransferFailed
-            self._settle(link, transfer.id, kind(f"same-host write failed: {exc}"))
+            if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
+                lost = PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}")
+                self._settle(link, transfer.id, lost)
+                self._fault(link.peer.peer_id, lost)
+            else:
+                log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
+                self._settle(link, transfer.id, TransferFailed(f"same-host write failed: {exc}"))
             return True
         header = WriteRequest(transfer.id, link.next_seq, [(run.remote, run.length) for run in runs], placed=True)
         link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer.id))
