@@ -14,7 +14,8 @@ import pytest
 from omni_async import Agent, BlockRegion, InvalidBlocks, PeerLost, ProtocolError
 from omni_async.handshake import PeerInfo
 from omni_async.memfd import NAME_PREFIX, SharedSegment
-from omni_async.transport.shared import MappedRegion, Refused, open_writer
+from omni_async.region import Run
+from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
 from omni_async.transport.vmwrite import VmWriter
 from omni_async.wire import HEADER_TAG, RegionShare, WriteRequest, decode_control, encode_control, encode_header
 
@@ -28,7 +29,8 @@ KINDS = {"memfd": ".memfd", "process_vm_writev": ""}
 
 
 def dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """Entries of /dev/shm, less the bench's region files (``make bench`` may run alongside)."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("omni-bench-")}
 
 
 def mapped(token: str) -> list[str]:
@@ -86,8 +88,6 @@ def test_mapping_our_own_segment_writes_the_same_memory():
     fds = len(open_fds_to(region.segment.token))
     writer = MappedRegion(share_of(region.segment), 4, 4096)
     src = np.arange(4 * 4096, dtype=np.uint64).astype(np.uint8).reshape(4, 4096)
-    from omni_async.region import Run
-
     writer.place(src, [Run(0, 2, 2)])
     assert np.array_equal(region.array[2:4], src[0:2]) and not region.array[:2].any()
     assert len(mapped(region.segment.token)) == 2  # ours and the writer's
@@ -143,20 +143,45 @@ def test_open_writer_only_for_peers_on_this_host_that_offer_it():
     writer = open_writer(peer_info(share), "h")
     assert writer is not None and writer.kind == "memfd"
     writer.close()
-    vm = open_writer(peer_info(RegionShare(pid=os.getpid()), base_addr=region.base_addr), "h")
+    wrapped = BlockRegion.wrap(np.zeros((4, 4096), np.uint8))
+    offer = advertise(wrapped)
+    assert offer.fd == -1 and offer.proof_addr
+    vm = open_writer(peer_info(offer, base_addr=wrapped.base_addr), "h")
     assert vm is not None and vm.kind == "process_vm_writev"
+    vm.place(np.full((4, 4096), 3, np.uint8), [Run(1, 2, 1)])
+    assert (wrapped.array[2] == 3).all() and not wrapped.array[[0, 1, 3]].any()
     vm.close()
-    assert open_writer(peer_info(RegionShare(pid=(1 << 22) + 1)), "h") is None  # no such process
+    vm.close()
+    assert open_writer(peer_info(msgspec.structs.replace(offer, pid=(1 << 22) + 1)), "h") is None  # no such process
+
+
+async def test_process_vm_writev_needs_the_peers_proof():
+    """A peer cannot point our writes at another process: the advertised pid must hold the
+    advertised token at the advertised address."""
+    import sys
+
+    offer = advertise(BlockRegion.wrap(np.zeros((4, 4096), np.uint8)))
+    for forged in (msgspec.structs.replace(offer, token="0" * 32), msgspec.structs.replace(offer, proof_addr=offer.proof_addr + 32),
+                   msgspec.structs.replace(offer, token="")):
+        assert open_writer(peer_info(forged), "h") is None
+    other = await asyncio.create_subprocess_exec(sys.executable, "-c", "import sys; sys.stdin.read()",
+                                                 stdin=asyncio.subprocess.PIPE)
+    try:  # another process of ours, named with our own (valid) proof
+        assert open_writer(peer_info(msgspec.structs.replace(offer, pid=other.pid)), "h") is None
+    finally:
+        other.kill()
+        await other.wait()
 
 
 def test_vm_writer_to_an_exited_process_raises_esrch_and_this_process_lives():
     import subprocess
     import sys
 
-    from omni_async.region import Run
-
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    writer = VmWriter(child.pid, 0x10000, 1)
+    code = "import sys; from omni_async.transport.vmwrite import proof; print(*proof(), flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    token, address = child.stdout.readline().split()
+    writer = VmWriter(child.pid, 0x10000, 1, token.decode(), int(address))
     child.kill()
     child.wait()
     with pytest.raises(ProcessLookupError):
@@ -168,7 +193,7 @@ def test_vm_writer_to_an_exited_process_raises_esrch_and_this_process_lives():
 def test_region_share_is_validated_on_the_wire():
     good = RegionShare(pid=5, fd=3, token="a" * 32)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(good), type=RegionShare) == good
-    for bad in ([5, 3, "../../x"], [0, 3, ""], [5, -2, ""], [5, 3, "A" * 32, 1]):
+    for bad in ([5, 3, "../../x"], [0, 3, ""], [5, -2, ""], [5, 3, "A" * 32, 1], [5, -1, "", -1], [5, 3, "", 0, 1]):
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=RegionShare)
     from omni_async.handshake import LocalIdentity

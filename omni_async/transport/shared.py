@@ -13,7 +13,9 @@ Between two processes on one host, UCX's shared-memory rendezvous copies every b
   control plane, and the kernel applies the same rule as for ``process_vm_writev`` (ptrace
   read access to the peer), so both variants need the same permission;
 * else with ``process_vm_writev`` into the peer's region at its ``base_addr``
-  (:class:`~.vmwrite.VmWriter`).
+  (:class:`~.vmwrite.VmWriter`), once the peer proved the pid is its own: we read, in that
+  process, the random token it advertised at the address it advertised (so a peer cannot
+  point our writes at another process of the same user).
 
 Either way the transport then sends a small ``placed`` header over the UCX lane; the receiver
 checks the runs against its region and acknowledges as for any write, so a transfer still
@@ -46,7 +48,7 @@ from ..handshake import PeerInfo
 from ..memfd import SIZE_SEALS, link_name
 from ..region import BlockRegion, Run
 from ..wire import RegionShare
-from .vmwrite import VmWriter, permit_writers
+from .vmwrite import VmWriter, permit_writers, proof
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,8 @@ def advertise(region: BlockRegion) -> RegionShare | None:
         return RegionShare(pid=os.getpid(), fd=segment.fd, token=segment.token)
     if not permit_writers():
         return None
-    return RegionShare(pid=os.getpid())
+    token, address = proof()
+    return RegionShare(pid=os.getpid(), token=token, proof_addr=address)
 
 
 def open_writer(peer: PeerInfo, host_id: str) -> DirectWriter | None:
@@ -156,9 +159,9 @@ def open_writer(peer: PeerInfo, host_id: str) -> DirectWriter | None:
     if share is None or not host_id or peer.host_id != host_id:
         return None
     try:
-        if share.fd >= 0 or share.token:
+        if share.fd >= 0:
             return MappedRegion(share, peer.num_blocks, peer.block_len)
-        return VmWriter(share.pid, peer.base_addr, peer.num_blocks)
+        return VmWriter(share.pid, peer.base_addr, peer.num_blocks, share.token, share.proof_addr)
     except (Refused, OSError) as exc:
         log.warning("peer %s: no same-host lane, writing through UCX (%s)", peer.peer_id, exc)
         return None

@@ -16,6 +16,7 @@ import ctypes
 import errno
 import logging
 import os
+import secrets
 import select
 from collections.abc import Sequence
 from typing import Final
@@ -40,6 +41,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _writev = _libc.process_vm_writev
 _writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 _writev.restype = ctypes.c_ssize_t
+_readv = _libc.process_vm_readv
+_readv.argtypes = _writev.argtypes
+_readv.restype = ctypes.c_ssize_t
 _prctl = _libc.prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _prctl.restype = ctypes.c_int
@@ -64,23 +68,59 @@ def permit_writers() -> bool:
     return True
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = (("base", ctypes.c_void_p), ("len", ctypes.c_size_t))
+
+
+_proof: ctypes.Array[ctypes.c_char] | None = None
+
+
+def proof() -> tuple[str, int]:
+    """This process's random token and the address of its bytes here (kept for the process's
+    life): a peer that reads the token at that address in our pid knows the pid is ours."""
+    global _proof
+    if _proof is None:
+        _proof = ctypes.create_string_buffer(secrets.token_hex(16).encode(), 32)
+    return _proof.raw.decode(), ctypes.addressof(_proof)
+
+
+def read_token(pid: int, address: int) -> bytes:
+    """The 32 bytes at ``address`` in process ``pid`` (raises :class:`OSError`)."""
+    buffer = ctypes.create_string_buffer(32)
+    local = _Iovec(ctypes.addressof(buffer), 32)
+    remote = _Iovec(address, 32)
+    got = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if got != 32:
+        code = ctypes.get_errno() if got < 0 else errno.EIO
+        raise OSError(code, f"cannot read process {pid}'s proof: {os.strerror(code)}")
+    return buffer.raw
+
+
 class VmWriter:
     """Writes runs of our region into the region of ``num_blocks`` blocks of process ``pid``
     at ``base_addr``.
 
     The caller bounds the runs by both layouts (:func:`~omni_async.region.plan_runs`)
-    before calling :meth:`place`.  A pidfd taken at construction tells whether the peer
-    process still exists before each write, so a write never lands in an unrelated process
-    that reused the pid after the peer exited and was reaped.
+    before calling :meth:`place`.  Construction checks that ``pid`` holds ``token`` at
+    ``proof_addr`` (see :func:`proof`): a peer cannot make us write into another process it
+    names.  A pidfd taken first tells whether the peer process still exists before each write,
+    so a write never lands in an unrelated process that reused the pid after the peer exited.
+    Raises :class:`OSError` if the process is gone or the proof is wrong.
     """
 
     kind: Final = "process_vm_writev"
 
-    def __init__(self, pid: int, base_addr: int, num_blocks: int) -> None:
+    def __init__(self, pid: int, base_addr: int, num_blocks: int, token: str, proof_addr: int) -> None:
         self.pid = pid
         self.base_addr = base_addr
         self.num_blocks = num_blocks
         self._pidfd = os.pidfd_open(pid)  # ProcessLookupError if it is gone already
+        try:
+            if len(token) != 32 or read_token(pid, proof_addr) != token.encode():
+                raise OSError(errno.EACCES, f"process {pid} did not prove it is the peer")
+        except BaseException:
+            os.close(self._pidfd)
+            raise
         self._poll = select.poll()
         self._poll.register(self._pidfd, select.POLLIN)
 
