@@ -89,8 +89,9 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spa
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", ucx_tls=tls)
     events: list[PeerEvent] = []
     agent.add_peer_listener(events.append)
+    # blocks through UCX (tests/test_shared.py proves this rule for the same-host lane)
     writer = await spawn_peer("write", str(tmp_path / "w"), NUM_BLOCKS, BLOCK_LEN,
-                              {"ucx_tls": tls, "peer_id": "tx"}, agent.control_address)
+                              {"ucx_tls": tls, "peer_id": "tx", "same_host_lane": False}, agent.control_address)
     assert writer.info == {"connected": "rx"}
     await asyncio.sleep(0.2)  # let it write for a while
     writer.kill()
