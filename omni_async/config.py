@@ -72,7 +72,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Write blocks to peers on this host with one copy, straight into their region (mapped
     shared memory, else ``process_vm_writev``) instead of through UCX.  Such a peer can write
     any row of this side's region: turn it off unless peers on this host are trusted (see
-    docs/reliability.md, "Same-host lane")."""
+    docs/reliability.md, "Same-host lane: trust model")."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= self.heartbeat_interval:

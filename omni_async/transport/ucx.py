@@ -5,6 +5,8 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
 * the sender posts a header (:class:`~omni_async.wire.WriteRequest` or
   :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message on
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
+  a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
+  into the peer's region instead and sends only a ``placed`` header;
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
@@ -337,9 +339,9 @@ class UcxTransport:
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
         through ``fault``, like a broken lane); any other failure (no permission) fails this
-        transfer only, with TransferFailed, and later writes go through UCX.  Runs beyond the region the writer
-        reaches are not placed (returns False: the write goes through UCX, and the receiver
-        refuses it).
+        transfer only, with TransferFailed, and later writes go through UCX.  Runs beyond the
+        region the writer reaches are not placed (returns False: the write goes through UCX,
+        and the receiver refuses it).
         """
         assert link.direct is not None
         if max(run.remote + run.length for run in runs) > link.direct.num_blocks:
@@ -514,7 +516,8 @@ class UcxTransport:
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
-            if req.placed:  # nothing to drain: the bytes went nowhere in our region
+            if req.placed:  # nothing to drain: no payload follows
+                log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
                 self._answer(link, req.transfer_id, "blocks", 0, InvalidBlocks(str(exc)))
             else:
                 self._drain(link, req, InvalidBlocks(str(exc)))
