@@ -102,6 +102,8 @@ class TransferAdapter:
         self._incoming: dict[str, _Incoming] = {}
         self._save_task: asyncio.Task[None] | None = None
         self._closing = False
+        self.stalls = 0
+        """Requests failed by their stall deadline so far (exported as ``omni_async_streams_stalled``)."""
 
     # -- saving -----------------------------------------------------------------------------
     def save_async(self, request_id: str, chunk: Payload, *, final: bool = False) -> asyncio.Future[None]:
@@ -263,6 +265,7 @@ class TransferAdapter:
         if state is None:
             return
         state.timer = None
+        self.stalls += 1
         self.cleanup(
             request_id,
             DeadlineExceeded(f"request {request_id!r} got no chunk for {self.options.stall_timeout}s"),

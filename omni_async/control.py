@@ -145,6 +145,11 @@ class ControlPlane:
         """Joined peers by id (a copy)."""
         return {pid: peer.info for pid, peer in self._peers.items()}
 
+    def last_seen(self, peer_id: str) -> float | None:
+        """``time.monotonic()`` when the peer was last heard from; None if not joined.  Thread-safe."""
+        peer = self._peers.get(peer_id)
+        return None if peer is None else peer.last_seen
+
     async def close(self) -> None:
         """Say goodbye to every peer, stop all tasks and close the sockets.  Idempotent.
 

@@ -32,6 +32,7 @@ class ConnectorService:
         self.config = config
         self.region = region or BlockRegion.allocate(config.region.num_blocks, config.region.block_len)
         self.agent = Agent(self.region, config.agent)
+        self.agent.metrics.streams = self._stream_counts
         self._connector: Connector | None = None
         self._adapters: list[TransferAdapter] = []
         self._closed = False
@@ -79,6 +80,10 @@ class ConnectorService:
         )
         self._adapters.append(adapter)
         return adapter
+
+    def _stream_counts(self) -> list[tuple[str, int, int]]:
+        """``(stage, active streams, stalls)`` of each adapter, for ``/metrics`` (scrape thread)."""
+        return [(adapter.stage, adapter.active_requests, adapter.stalls) for adapter in list(self._adapters)]
 
     async def close(self) -> None:
         """Close adapters (draining their saves), the connector and the agent.  Idempotent."""
