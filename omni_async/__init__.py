@@ -7,6 +7,7 @@ from .agent import Agent, PeerEvent
 from .config import AgentConfig, load_config
 from .errors import (
     AlreadyConnected,
+    BufferFull,
     ClosedError,
     ConfigError,
     DeadlineExceeded,
@@ -22,6 +23,7 @@ from .errors import (
     TransferCancelled,
     TransferError,
     TransferFailed,
+    TransferRefused,
     UnknownPeer,
     VersionMismatch,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "AgentConfig",
     "AlreadyConnected",
     "BlockRegion",
+    "BufferFull",
     "ClosedError",
     "ConfigError",
     "DeadlineExceeded",
@@ -52,6 +55,7 @@ __all__ = [
     "TransferCancelled",
     "TransferError",
     "TransferFailed",
+    "TransferRefused",
     "UnknownPeer",
     "VersionMismatch",
     "config_fingerprint",

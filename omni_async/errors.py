@@ -114,6 +114,18 @@ class TransferCancelled(TransferError):
     code = "cancelled"
 
 
+class TransferRefused(TransferError):
+    """The receiver refused the transfer (e.g. its key is awaited from another peer)."""
+
+    code = "refused"
+
+
+class BufferFull(TransferRefused):
+    """The receiver's buffer for payloads nobody asked for yet is full; try again later."""
+
+    code = "buffer_full"
+
+
 class DeadlineExceeded(TransferError, TimeoutError):
     """A request or transfer made no progress within its deadline."""
 
@@ -139,6 +151,8 @@ REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {
         LayoutMismatch,
         TransferFailed,
         TransferCancelled,
+        TransferRefused,
+        BufferFull,
         InvalidBlocks,
         ClosedError,
         UnknownPeer,
