@@ -14,7 +14,15 @@ from typing import TypeVar
 
 from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, VersionMismatch, error_from_code
 from .region import fingerprints_compatible
-from .wire import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WRITE_BLOCKS, PROTOCOL_VERSION, Hello, Reject, Welcome
+from .wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_WRITE_BLOCKS,
+    PROTOCOL_VERSION,
+    Hello,
+    RegionShare,
+    Reject,
+    Welcome,
+)
 
 H = TypeVar("H", bound=Hello)
 
@@ -33,6 +41,7 @@ class LocalIdentity:
     host_id: str = ""
     max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    region_share: RegionShare | None = None
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -59,6 +68,7 @@ class LocalIdentity:
             host_id=self.host_id,
             max_write_blocks=self.max_write_blocks,
             max_message_bytes=self.max_message_bytes,
+            region_share=self.region_share,
         )
 
 
@@ -78,6 +88,7 @@ class PeerInfo:
     """Most blocks the peer accepts in one write request."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest chunk message the peer accepts."""
+    region_share: RegionShare | None = None
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -92,6 +103,7 @@ class PeerInfo:
             host_id=msg.host_id,
             max_write_blocks=msg.max_write_blocks,
             max_message_bytes=msg.max_message_bytes,
+            region_share=msg.region_share,
         )
 
 

@@ -66,6 +66,23 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
 
 
 # -- control plane (ZeroMQ) ------------------------------------------------------------------
+class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """How a peer on the same host may write this side's region with one copy.
+
+    ``pid`` is the advertising process.  With ``fd >= 0``, ``fd`` and ``token`` name the sealed
+    memfd its region lives in (:mod:`omni_async.memfd`), which the peer maps through
+    ``/proc/<pid>/fd/<fd>`` after checking the token.  With ``fd == -1`` the peer may write the
+    region at ``base_addr`` with ``process_vm_writev`` once it has read ``token`` at
+    ``proof_addr`` in that process (proof that ``pid`` is the peer, not a process it names).
+    See :mod:`omni_async.transport.shared`.
+    """
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    fd: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
+    token: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{32})?$")] = ""
+    proof_addr: NonNeg = 0
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """First message of a handshake; :class:`Welcome` is the same description of the other side.
 
@@ -87,6 +104,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     """Most blocks the sender accepts in one incoming write request (its receive limit)."""
     max_message_bytes: Count = DEFAULT_MAX_MESSAGE_BYTES
     """Largest incoming chunk message the sender accepts (all frames together)."""
+    region_share: RegionShare | None = None
+    """Offered to peers with the same ``host_id`` (None: write through UCX only)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -118,13 +137,16 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     """A block write: ``runs`` are ``(remote_start, count)``.
 
     ``gathered``: all runs travel as one payload message tagged ``seq``; otherwise run ``i`` is
-    its own message tagged ``seq + i``.
+    its own message tagged ``seq + i``.  ``placed``: no payload follows, the sender already
+    copied the rows into the receiver's region (same host, see
+    :mod:`omni_async.transport.shared`); the receiver checks the runs and acknowledges.
     """
 
     transfer_id: NonNeg
     seq: NonNeg
     runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
     gathered: bool = True
+    placed: bool = False
 
 
 class MessageHeader(_Msg, tag="m", frozen=True):

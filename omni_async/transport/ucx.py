@@ -5,6 +5,8 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
 * the sender posts a header (:class:`~omni_async.wire.WriteRequest` or
   :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message on
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
+  a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
+  into the peer's region instead and sends only a ``placed`` header;
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
@@ -22,6 +24,7 @@ violation: the transport reports it through ``fault`` and the owner drops the pe
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import itertools
 import logging
@@ -71,6 +74,7 @@ from ..wire import (
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, receive_budget, split_runs
 from .protocol import Inbox, Outbox
+from .shared import DirectWriter, open_writer
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -140,6 +144,9 @@ class _Link:
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
+    direct: DirectWriter | None = None
+    """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
+    block payloads go through UCX."""
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
@@ -224,6 +231,8 @@ class UcxTransport:
             gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
             receive_bytes=receive_budget(self.config.max_message_bytes),
         )
+        if self.config.same_host_lane:
+            link.direct = open_writer(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
@@ -244,6 +253,7 @@ class UcxTransport:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
         link.outbox.clear()
+        self._drop_direct(link)
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -322,8 +332,13 @@ class UcxTransport:
             return transfer
         # More runs or blocks than one request may carry (the receiver's limits): several
         # requests under the same transfer id, settled by the last acknowledgement.
+        direct = link.direct
+        placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
         requests: list[tuple[int, int, Callable[[], None]]] = []
         for request in split_runs(runs, link.peer.max_write_blocks):
+            if placed:  # same host: copied straight into the peer's rows, no payload message
+                requests.append((0, 0, partial(self._place, link, transfer.id, request)))
+                continue
             nbytes = sum(run.length for run in request) * block_len
             # Many small runs: one gathered message (Python cost per message dominates).  Large
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
@@ -347,6 +362,40 @@ class UcxTransport:
         else:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
+
+    def _place(self, link: _Link, transfer_id: int, runs: list[Run]) -> None:
+        """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
+
+        A peer process that exited fails the transfer with PeerLost and is dropped (reported
+        through ``fault``, like a broken lane); any other failure (no permission) fails this
+        transfer only, with TransferFailed, and later writes go through UCX.  A request queued
+        before such a failure fails too (its window share was counted without payload).
+        """
+        direct = link.direct
+        if direct is None:
+            self._settle(link, transfer_id, TransferFailed("the same-host lane to the peer was closed"))
+            return
+        try:
+            direct.place(self.region.array, runs)
+        except OSError as exc:
+            self._drop_direct(link)
+            if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
+                lost = PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}")
+                self._settle(link, transfer_id, lost)
+                self._fault(link.peer.peer_id, lost)
+            else:
+                log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
+                self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
+            return
+        seq = link.outbox.take_seq(0)
+        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], placed=True)
+        link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
+
+    @staticmethod
+    def _drop_direct(link: _Link) -> None:
+        direct, link.direct = link.direct, None
+        if direct is not None:
+            direct.close()
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
@@ -537,11 +586,18 @@ class UcxTransport:
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
-            self._drain(link, req, InvalidBlocks(str(exc)))
+            if req.placed:  # nothing to drain: no payload follows
+                log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
+                self._answer(link, req.transfer_id, "blocks", 0, InvalidBlocks(str(exc)))
+            else:
+                self._drain(link, req, InvalidBlocks(str(exc)))
+            return
+        finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
+        if req.placed:  # the sender already copied the rows into our region; no payload follows
+            finish(None)
             return
         if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
             return
-        finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
         rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
         if req.gathered:
             self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
