@@ -55,7 +55,7 @@ def share_of(segment: SharedSegment, **changes):
 
 
 def peer_info(share, host_id="h", num_blocks=4, block_len=4096, base_addr=0):
-    return PeerInfo("p", 1, b"", base_addr, num_blocks, block_len, "", host_id, share)
+    return PeerInfo("p", 1, b"", base_addr, num_blocks, block_len, "", host_id=host_id, region_share=share)
 
 
 def seal_free_memfd(token: str, size: int) -> int:
@@ -249,8 +249,13 @@ async def test_placed_header_out_of_range_is_refused_and_writes_nothing(make_age
     a, b = await pair(make_agent)
     link = a.transport._links["b"]
     transfer = a.transport._new_transfer(link, 2 * 4096, "blocks")
-    header = WriteRequest(transfer.id, link.next_seq, [(NUM_BLOCKS - 1, 2)], placed=True)
-    link.lane.send(encode_header(header), HEADER_TAG, lambda _error: None)
+
+    def post():
+        header = WriteRequest(transfer.id, link.outbox.take_seq(0), [(NUM_BLOCKS - 1, 2)], placed=True)
+        link.lane.send(encode_header(header), HEADER_TAG, lambda _error: None)
+
+    for release in link.outbox.submit(transfer.id, [(0, 0, post)]):
+        release()
     with pytest.raises(InvalidBlocks, match="exceeds the region"):
         await asyncio.wait_for(transfer, 5)
     assert not b.region.array.any()
