@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .config import AgentConfig
+from .config import AgentConfig, check_ucx_environment
 from .control import ControlPlane
 from .errors import ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import LocalIdentity, PeerInfo
@@ -68,6 +69,7 @@ class Agent:
             raise ClosedError("agent is closed")
         if self._control is not None:
             return self
+        check_ucx_environment(self.config, os.environ)
         self._transport = UcxTransport(
             self.region, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
         )
