@@ -44,7 +44,8 @@ def check_key(key: str, what: str) -> None:
     except (ValueError, UnicodeEncodeError, KeyError):
         valid = False
     if not valid:
-        raise ConfigError(f"{what} must be a 40-character Z85 CURVE key, got {key[:8]!r}…")
+        # Never echo the value, not even part of it: it may be a secret key.
+        raise ConfigError(f"{what} must be a 40-character Z85 CURVE key (got {len(key)} characters that are not one)")
 
 
 def split_address(address: str) -> tuple[str, str | None]:

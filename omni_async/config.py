@@ -24,6 +24,9 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 ENV_PREFIX = "OMNI_ASYNC_"
+SECRET_FIELDS = frozenset({"curve_secret_key"})
+"""Fields never printed or logged (any part of them): reprs, errors and the CLI redact them."""
+REDACTED = "<redacted>"
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -85,6 +88,13 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 check_key(key, "curve_allowed_keys entry")
         elif self.curve_allowed_keys:
             raise ConfigError("curve_allowed_keys is set but curve_secret_key is not")
+
+    def __repr__(self) -> str:  # never show the secret key, not even in a traceback or a log line
+        return f"AgentConfig({', '.join(f'{name}={value!r}' for name, value in self.__rich_repr__())})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return [(name, REDACTED if name in SECRET_FIELDS and getattr(self, name) else getattr(self, name))
+                for name in self.__struct_fields__]
 
     def resolved_peer_id(self) -> str:
         return self.peer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
