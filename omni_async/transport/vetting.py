@@ -17,6 +17,8 @@ Bounded, so that a flood of crash-inducing addresses cannot hold up legitimate h
 * waiting checks are served newest first: under overload the ones whose handshake may still
   succeed go first, and old ones expire instead of delaying everything behind them.
 
+No thread is involved: a check talks to its server through the calling loop's socket methods.
+
 One vetter per process (per UCX setting) serves every agent: it is started on first use and
 stopped at exit.
 """
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import logging
 import os
 import select
@@ -33,8 +34,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
 from typing import Final
 
 from ..errors import ProtocolError
@@ -45,25 +44,19 @@ log = logging.getLogger(__name__)
 DEADLINE: Final = 2.0
 """Default seconds a check may take, waiting included."""
 WORKERS: Final = 2
-"""Checks run at once (each in its own server process)."""
+"""Checks that run at once (each on its own server process)."""
 MAX_PENDING: Final = 256
 """Checks that may wait; more are refused at once."""
 _START_TIMEOUT: Final = 30.0  # seconds the zygote may take to import ucxx
 
-
-@dataclass(eq=False)
-class _Job:
-    address: bytes
-    deadline: float
-    result: concurrent.futures.Future[bool | None] = field(default_factory=concurrent.futures.Future)
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
 class AddressVetter:
     """Checks addresses in child processes; safe to share between loops and threads.
 
-    The exchanges with the children are blocking socket operations on the vetter's own
-    ``workers`` threads, so no event loop ever waits on them.  Use :meth:`close` to stop
-    threads and children (a later check starts them again).
+    Every exchange with a server runs on the checking loop (non-blocking sockets); only
+    starting the zygote blocks, in the loop's default executor.
     """
 
     def __init__(self, tls: str, net_devices: str = "", *, workers: int = WORKERS,
@@ -71,169 +64,171 @@ class AddressVetter:
         self._ucx_args = [tls, net_devices]
         self._workers = workers
         self._max_pending = max_pending
-        self._cond = threading.Condition()
-        self._waiting: list[_Job] = []  # a stack: newest first
-        self._threads: list[threading.Thread] = []
-        self._servers: set[socket.socket] = set()
+        self._lock = threading.Lock()  # guards everything below
+        self._running = 0
+        self._waiting: list[_Waiter] = []  # a stack: newest first
+        self._idle: list[socket.socket] = []  # servers ready for a check
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_sock: socket.socket | None = None
-        self._zygote_lock = threading.Lock()
-        self._closed = False
+        self._zygote_start = threading.RLock()  # starting, stopping or writing to the zygote
         self.refused = 0
 
     async def check(self, address: bytes, timeout: float = DEADLINE) -> None:
         """Return if a UCX endpoint can be created from ``address``; else raise ProtocolError
-        (unusable, or not vetted within ``timeout`` seconds, or too many checks waiting)."""
-        job = _Job(address, time.monotonic() + timeout)
-        with self._cond:
-            if len(self._waiting) >= self._max_pending:
-                self.refused += 1
-                raise ProtocolError(f"address vetting is saturated ({self._max_pending} checks waiting)")
-            self._closed = False
-            self._waiting.append(job)
-            self._start_threads()
-            self._cond.notify()
+        (unusable, not vetted within ``timeout`` seconds, or too many checks waiting)."""
+        verdict: bool | None = None
         try:
-            verdict = await asyncio.wait_for(asyncio.wrap_future(job.result), timeout)
+            async with asyncio.timeout(timeout):
+                await self._acquire()
+                try:
+                    verdict = await self._vet(address)
+                finally:
+                    self._release()
         except TimeoutError:
-            verdict = None
-        if verdict is None:
-            self.refused += 1
-            raise ProtocolError(f"a {len(address)}-byte agent metadata was not vetted within {timeout}s")
+            log.warning("vetting a %d-byte peer address did not finish within %ss", len(address), timeout)
         if not verdict:
-            self.refused += 1
-            raise ProtocolError(f"a {len(address)}-byte agent metadata is not a usable UCX worker address")
+            with self._lock:
+                self.refused += 1
+            why = "is not a usable UCX worker address" if verdict is False else f"was not vetted within {timeout}s"
+            raise ProtocolError(f"a {len(address)}-byte agent metadata {why}")
 
     def warm_up(self) -> None:
         """Start the zygote if it is not running (blocking; run it in an executor)."""
-        with self._zygote_lock:
-            try:
-                self._zygote_socket()
-            except OSError as exc:  # the first check will retry and report
-                log.warning("address vetting child did not start: %r", exc)
+        try:
+            self._zygote_socket()
+        except OSError as exc:  # the first check will retry and report
+            log.warning("address vetting child did not start: %r", exc)
 
     def close(self) -> None:
-        """Stop the worker threads and every child.  Idempotent."""
-        with self._cond:
-            self._closed = True
-            threads, self._threads = self._threads, []
-            self._cond.notify_all()
-        for thread in threads:
-            thread.join(DEADLINE + 1)
-        with self._zygote_lock:
-            if self._zygote_sock is not None:
-                self._zygote_sock.close()
-                self._zygote_sock = None
-            if self._zygote is not None:
-                self._zygote.kill()
-                self._zygote.wait()
-                if self._zygote.stdout is not None:
-                    self._zygote.stdout.close()
-                self._zygote = None
+        """Stop the zygote and the idle servers (busy ones stop after their check).  Idempotent;
+        a later check starts them again."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for server in idle:
+            server.close()  # the server reads EOF and exits
+        with self._zygote_start:
+            self._stop_zygote()
 
-    # -- worker threads --------------------------------------------------------------------------
-    def _start_threads(self) -> None:
-        while len(self._threads) < self._workers:
-            thread = threading.Thread(target=self._work, name=f"omni-vet-{len(self._threads)}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _work(self) -> None:
-        server: socket.socket | None = None
+    # -- the concurrency bound -------------------------------------------------------------------
+    async def _acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._running < self._workers:
+                self._running += 1
+                return
+            if len(self._waiting) >= self._max_pending:
+                self.refused += 1
+                raise ProtocolError(f"address vetting is saturated ({self._max_pending} checks waiting)")
+            granted: asyncio.Future[None] = loop.create_future()
+            self._waiting.append((loop, granted))
         try:
-            while True:
-                with self._cond:
-                    while not self._waiting and not self._closed:
-                        self._cond.wait()
-                    if self._closed:
-                        for job in self._waiting:  # refused: not vetted
-                            if job.result.set_running_or_notify_cancel():
-                                job.result.set_result(None)
-                        self._waiting.clear()
-                        return
-                    job = self._waiting.pop()
-                if not job.result.set_running_or_notify_cancel():
-                    continue  # its awaiter gave up
-                verdict: bool | None = None
-                try:
-                    if time.monotonic() < job.deadline:
-                        server, verdict = self._vet(server, job)
-                finally:
-                    job.result.set_result(verdict)
-        finally:
-            if server is not None:
-                self._drop_server(server)
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release()  # the slot came just as this check gave up: hand it on
+            raise
 
-    def _vet(self, server: socket.socket | None, job: _Job) -> tuple[socket.socket | None, bool | None]:
-        """Vet ``job`` on ``server`` (a new one if None); return the server to keep and the verdict."""
+    def _release(self) -> None:
+        """Hand this slot to the newest waiting check, or free it."""
+        with self._lock:
+            while self._waiting:
+                loop, granted = self._waiting.pop()
+                try:
+                    loop.call_soon_threadsafe(self._grant, granted)
+                except RuntimeError:  # that loop is closed
+                    continue
+                return
+            self._running -= 1
+
+    def _grant(self, granted: asyncio.Future[None]) -> None:
+        if granted.done():  # it gave up meanwhile
+            self._release()
+        else:
+            granted.set_result(None)
+
+    # -- one check -------------------------------------------------------------------------------
+    async def _vet(self, address: bytes) -> bool:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            server = self._idle.pop() if self._idle else None
         try:
             if server is None:
-                server = self._new_server(job.deadline)
-            server.settimeout(max(job.deadline - time.monotonic(), 0.001))
-            server.sendall(LENGTH.pack(len(job.address)) + job.address)
-            answer = server.recv(1)
-        except TimeoutError:  # a server hung inside UCX ends itself (vet_child.HANG_LIMIT)
-            log.warning("vetting a %d-byte peer address timed out", len(job.address))
-            answer = None
+                server = await self._new_server()
+            await loop.sock_sendall(server, LENGTH.pack(len(address)) + address)
+            answer = await loop.sock_recv(server, 1)
         except OSError as exc:
             log.warning("address vetting child failed: %r", exc)
             answer = b""
+        except BaseException:  # timed out or cancelled mid-exchange: the server's state is unknown
+            if server is not None:
+                server.close()
+            raise
         if answer in (OK, BAD):
-            return server, answer == OK
+            with self._lock:
+                self._idle.append(server)  # type: ignore[arg-type]
+            return answer == OK
         if server is not None:
-            self._drop_server(server)
-        if answer == b"":
-            log.warning("a %d-byte peer address crashed the vetting child", len(job.address))
-            return None, False
-        return None, None
+            server.close()
+        log.warning("a %d-byte peer address crashed the vetting child", len(address))
+        return False
 
-    # -- children --------------------------------------------------------------------------------
-    def _new_server(self, deadline: float) -> socket.socket:
-        """A fresh server forked by the zygote, ready to vet (raises OSError or TimeoutError)."""
+    async def _new_server(self) -> socket.socket:
+        """A fresh server forked by the zygote, ready to vet."""
+        loop = asyncio.get_running_loop()
+        if not self._zygote_alive():
+            await loop.run_in_executor(None, self._zygote_socket)
         ours, theirs = socket.socketpair()
         try:
-            with self._zygote_lock:
+            with self._zygote_start:
                 socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
-            ours.settimeout(max(deadline - time.monotonic(), 0.001))
-            if ours.recv(1) != OK:
+            ours.setblocking(False)
+            if await loop.sock_recv(ours, 1) != OK:
                 raise OSError("address vetting server failed to start")
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        with self._cond:
-            self._servers.add(ours)
         return ours
 
-    def _drop_server(self, server: socket.socket) -> None:
-        with self._cond:
-            self._servers.discard(server)
-        server.close()  # the server reads EOF and exits
+    # -- the zygote ------------------------------------------------------------------------------
+    def _zygote_alive(self) -> bool:
+        return self._zygote is not None and self._zygote.poll() is None and self._zygote_sock is not None
 
     def _zygote_socket(self) -> socket.socket:
         """The socket to the zygote, started (blocking, up to ``_START_TIMEOUT``) if needed."""
-        if self._zygote is not None and self._zygote.poll() is None and self._zygote_sock is not None:
-            return self._zygote_sock
-        if self._zygote_sock is not None:
-            self._zygote_sock.close()
-        ours, theirs = socket.socketpair()
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        try:
-            self._zygote = subprocess.Popen(
-                [sys.executable, "-m", "omni_async.transport.vet_child", *self._ucx_args],
-                stdin=theirs.fileno(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-            )
-        finally:
-            theirs.close()
-        self._zygote_sock = ours
-        assert self._zygote.stdout is not None
-        started, _, _ = select.select([self._zygote.stdout], [], [], _START_TIMEOUT)
-        if not started or self._zygote.stdout.read(1) != OK:
-            self._zygote.kill()
-            self._zygote.wait()
-            raise OSError("address vetting child failed to start")
-        return ours
+        with self._zygote_start:
+            if self._zygote_alive():
+                assert self._zygote_sock is not None
+                return self._zygote_sock
+            self._stop_zygote()
+            ours, theirs = socket.socketpair()
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+            try:
+                zygote = subprocess.Popen(
+                    [sys.executable, "-m", "omni_async.transport.vet_child", *self._ucx_args],
+                    stdin=theirs.fileno(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                )
+            finally:
+                theirs.close()
+            self._zygote, self._zygote_sock = zygote, ours
+            assert zygote.stdout is not None
+            started, _, _ = select.select([zygote.stdout], [], [], _START_TIMEOUT)
+            if not started or zygote.stdout.read(1) != OK:
+                self._stop_zygote()
+                raise OSError("address vetting child failed to start")
+            return ours
+
+    def _stop_zygote(self) -> None:
+        zygote, sock = self._zygote, self._zygote_sock
+        self._zygote = self._zygote_sock = None
+        if sock is not None:
+            sock.close()  # the zygote reads EOF and exits
+        if zygote is not None:
+            zygote.kill()
+            zygote.wait()
+            if zygote.stdout is not None:
+                zygote.stdout.close()
 
 
 _vetters: dict[tuple[str, str], AddressVetter] = {}
