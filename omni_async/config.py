@@ -16,7 +16,6 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from .auth import check_key
 from .errors import ConfigError
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -28,6 +27,25 @@ SECRET_FIELDS = frozenset({"curve_secret_key"})
 """Fields never printed or logged (any part of them): reprs, errors and the CLI redact them."""
 REDACTED = "<redacted>"
 T = TypeVar("T", bound=msgspec.Struct)
+
+
+_Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_VALUE = {char: value for value, char in enumerate(_Z85)}
+
+
+def check_key(key: str, what: str) -> None:
+    """Raise :class:`ConfigError` unless ``key`` is a 40-character Z85 CURVE key (32 bytes).
+
+    The message never shows the value, not even part of it: it may be a secret key.
+    """
+    valid = len(key) == 40 and all(char in _Z85_VALUE for char in key)
+    for start in range(0, len(key), 5) if valid else ():
+        word = 0
+        for char in key[start : start + 5]:
+            word = word * 85 + _Z85_VALUE[char]
+        valid = valid and word < 1 << 32  # five Z85 digits can exceed four bytes
+    if not valid:
+        raise ConfigError(f"{what} must be a 40-character Z85 CURVE key (got {len(key)} characters that are not one)")
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
