@@ -116,15 +116,3 @@ async def test_cancelled_connect_leaves_nothing_behind(make_agent):
         await a.remove_peer("b")
         await wait_until(lambda: joined(b) == ([], []))
     assert cancelled >= 4
-
-
-async def test_acceptor_that_fails_to_accept_leaves_nothing_behind(make_agent):
-    a = await make_agent(peer_id="a")
-    b = await make_agent(peer_id="b")
-    # The acceptor's accept callback is cancelled mid-way (its agent closes during the handshake).
-    task = asyncio.ensure_future(a.connect(b.control_address))
-    await wait_until(lambda: b.control.is_admitting("a"), 5)
-    await b.close()
-    with pytest.raises((HandshakeRejected, TimeoutError, ConnectionError)):
-        await task
-    assert joined(a) == ([], [])
