@@ -109,8 +109,9 @@ class ControlPlane:
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._logged_bad: set[bytes] = set()
-        self._admitting: set[str] = set()
-        self._handshakes: dict[bytes, asyncio.Task[None]] = {}  # hellos being admitted, by ident
+        self._handshakes: dict[bytes, asyncio.Task[None]] = {}  # hellos being handled, by ident
+        self._admitting: dict[str, asyncio.Task[None]] = {}  # peer id -> the handshake admitting it
+        self._queued: dict[str, asyncio.Task[None]] = {}  # peer id -> one handshake waiting for it
         self._owners: dict[str, str] = {}  # peer id -> the CURVE public key that first used it
         self._closed = False
 
@@ -287,8 +288,12 @@ class ControlPlane:
         elif isinstance(msg, Hello):
             # Admission awaits the owner (address vetting); the loop keeps reading meanwhile.
             # Handshakes in progress count against max_peers, so a flood cannot overshoot it.
-            busy = self.is_admitting(msg.peer_id)
-            full = msg.peer_id not in self._peers and len(self._peers) + len(self._admitting) >= self.config.max_peers
+            # One more hello for a peer being admitted waits for that handshake (which may be an
+            # abandoned one whose Bye is on its way); any further one is refused.
+            running = self._admitting.get(msg.peer_id)
+            busy = msg.peer_id in self._queued
+            full = (running is None and msg.peer_id not in self._peers
+                    and len(self._peers) + len(self._admitting) >= self.config.max_peers)
             if busy or full:
                 self.stats.rejected += 1
                 error = (
@@ -299,22 +304,33 @@ class ControlPlane:
                 log.warning("rejected peer %r: %s", msg.peer_id, error)
                 await router.send_multipart([ident, encode_control(reject_for(error))])
                 return
-            self._admitting.add(msg.peer_id)
-            task = self._spawn(self._handshake(router, ident, msg, key), f"omni-control-handshake-{msg.peer_id}")
+            task = self._spawn(
+                self._handshake(router, ident, msg, key, running), f"omni-control-handshake-{msg.peer_id}"
+            )
             self._handshakes[ident] = task
+            (self._admitting if running is None else self._queued)[msg.peer_id] = task
             # Not a ``finally``: a task cancelled before it started never runs its body.
             task.add_done_callback(partial(self._handshake_done, ident, msg.peer_id))
 
-    async def _handshake(self, router: zmq.asyncio.Socket, ident: bytes, msg: Hello, key: str | None) -> None:
-        """Admit ``msg`` and answer it.  Cancelled (the dialler said Bye, or closing) while the
-        owner's ``accept`` runs, the owner rolls its half back and nothing is admitted."""
+    async def _handshake(
+        self, router: zmq.asyncio.Socket, ident: bytes, msg: Hello, key: str | None, after: asyncio.Task[None] | None
+    ) -> None:
+        """Admit ``msg`` (once the handshake ``after``, for the same peer id, ended) and answer
+        it.  Cancelled (the dialler said Bye, or closing) while the owner's ``accept`` runs, the
+        owner rolls its half back and nothing is admitted."""
+        if after is not None:
+            await asyncio.wait([after])
+            this = self._queued.pop(msg.peer_id)
+            self._admitting[msg.peer_id] = this
         reply = await self._admit(ident, msg, key)
         self._handshake_done(ident, msg.peer_id)
         await router.send_multipart([ident, encode_control(reply)])
 
     def _handshake_done(self, ident: bytes, peer_id: str, _task: object = None) -> None:
-        if self._handshakes.pop(ident, None) is not None:
-            self._admitting.discard(peer_id)
+        task = self._handshakes.pop(ident, None)
+        for table in (self._admitting, self._queued):
+            if task is not None and table.get(peer_id) is task:
+                del table[peer_id]
 
     async def _admit(self, ident: bytes, msg: Hello, key: str | None) -> Welcome | Reject:
         """Validate ``msg`` completely, then admit it; a known peer of the same id is replaced

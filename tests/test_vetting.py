@@ -22,8 +22,9 @@ def crashing(address: bytes) -> bytes:
 
 
 async def test_flood_of_crashing_addresses_does_not_delay_a_handshake(make_agent):
-    a = await make_agent(peer_id="a", handshake_timeout=3.0)
-    b = await make_agent(peer_id="b", handshake_timeout=3.0)
+    calm = {"handshake_timeout": 3.0, "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0}
+    a = await make_agent(peer_id="a", **calm)
+    b = await make_agent(peer_id="b", **calm)
     vetter = shared_vetter(b.config.ucx_tls, b.config.ucx_net_devices)  # the one both agents use
     bad = crashing(real_address())
     flood = [asyncio.ensure_future(vetter.check(bad)) for _ in range(40)]
