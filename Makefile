@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint fuzz soak bench clean
+.PHONY: demo demo-cluster test lint fuzz soak bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+demo-cluster: $(STAMP)
+	$(VENV)/bin/omni-async demo-cluster
 
 test: lint
 	$(PY) -m pytest -q
@@ -28,10 +31,23 @@ fuzz: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m tests.soak
 
-bench: $(STAMP)
-	$(PY) -m bench blocks
-	$(PY) -m bench chunks
+# The bench extra (matplotlib, for the plots) and NIXL, the contender.  nixl-cu12 declares torch
+# as a dependency but its Python API imports only numpy and its own bundled libraries: install it
+# without dependencies, then check that what bench/nixl_peer.py imports is importable.
+BENCH_STAMP := $(VENV)/.bench-installed
+NIXL        ?= nixl-cu12==1.5.1
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet --no-deps '$(NIXL)'
+	$(PY) -c "from nixl_cu12 import nixl_agent, nixl_agent_config"
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	mkdir -p bench/out
+	$(PY) -m bench blocks --plot bench/out/blocks.svg
+	$(PY) -m bench chunks --plot bench/out/chunks.svg
 	$(PY) -m bench idle
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench/out

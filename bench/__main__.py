@@ -1,13 +1,16 @@
 """``python -m bench <command>``: ``blocks`` (block writes vs memcpy and NIXL), ``chunks``
 (chunk streams through the adapter vs memcpy), ``idle`` (CPU of an idle connected pair).
 
-``--json`` prints one JSON object on stdout (the table then goes to stderr).  The exit status is
-0 when the run completed, whether or not targets were met.
+``--json`` prints one JSON object on stdout (the table then goes to stderr).  ``--plot FILE``
+(blocks, chunks) also draws the run as grouped bars (:mod:`bench.plot`; needs the ``bench``
+extra, checked before the run starts).  The exit status is 0 when the run completed, whether
+or not targets were met.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any
@@ -26,13 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     blocks.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
     blocks.add_argument("--quick", action="store_true", help="few iterations, one round: a smoke run")
     blocks.add_argument("--no-nixl", action="store_true", help="skip NIXL (reported as unavailable)")
+    blocks.add_argument("--no-compat", action="store_true", help="skip the facade rows compat_a|b|c")
     blocks.add_argument("--nixl-error-handling", default="peer", choices=["peer", "none"],
                         help="NIXL UCX backend ucx_error_handling_mode (default: NIXL's default, peer)")
 
     chunks = sub.add_parser("chunks", help="chunk streams through the adapter vs numpy memcpy")
     chunks.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    for sub_parser in (blocks, chunks):
+        sub_parser.add_argument("--plot", metavar="FILE", help="also draw the results to FILE (.svg, .png, .pdf)")
     chunks.add_argument("--quick", action="store_true", help="few iterations: a smoke run")
     chunks.add_argument("--tcp", action="store_true", help="only the UCX_TLS=tcp rows")
+    chunks.add_argument("--no-zmq", action="store_true", help="skip the pyzmq + msgspec baseline")
 
     idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
     idle.add_argument("--seconds", type=float, default=10.0)
@@ -49,23 +56,36 @@ def _emit(report: dict[str, Any], text: str, as_json: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "plot", None) and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install -e '.[bench]' (make bench does)")
     if args.command == "blocks":
         from . import report as report_mod
         from .blocks import Options, run_blocks
 
         opts = Options(
-            quick=args.quick, iters=args.iters, rounds=args.rounds, nixl=not args.no_nixl,
+            quick=args.quick, iters=args.iters, rounds=args.rounds, nixl=not args.no_nixl, compat=not args.no_compat,
+            progress=not args.json,
             modes=("tcp",) if args.tcp else ("shm", "tcp"), nixl_error_handling=args.nixl_error_handling,
         )
         result = run(run_blocks(opts))
         _emit(result, report_mod.table(result), args.json)
+        if args.plot:
+            from .plot import plot_blocks
+
+            plot_blocks(result, args.plot)
     elif args.command == "chunks":
         from .chunks import run_chunks
         from .chunks import table as chunk_table
 
-        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp")))
+        result = run(run_chunks(args.quick, ("tcp",) if args.tcp else ("shm", "tcp"), zmq=not args.no_zmq,
+                                progress=not args.json))
         _emit(result, chunk_table(result), args.json)
+        if args.plot:
+            from .plot import plot_chunks
+
+            plot_chunks(result, args.plot)
     elif args.command == "idle":
         from .idle import run_idle, table
 

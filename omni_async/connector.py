@@ -6,10 +6,21 @@ A connector is created from a spec shaped like the serving stacks' stage connect
 message over the agent's UCX lanes (header + out-of-band array frames, see :mod:`serde`).
 
 Receiving side contract: a payload that arrives before anyone asked for it is buffered, up to
-``max_buffered_bytes``; past that its acknowledgement is held back until ``get`` frees space,
-so the sender's ``put`` (which resolves on that acknowledgement) is back-pressured: nothing is
-dropped.  A payload that fails to decode fails the sender's ``put`` and the local ``get`` of
-that key with :class:`~omni_async.errors.ProtocolError`.
+``max_buffered_bytes`` (checked before it is stored); past that its acknowledgement is held back
+until ``get`` frees space, so the sender's ``put`` (which resolves on that acknowledgement) is
+back-pressured (for at most the agent's ``transfer_timeout``: then the payload is dropped and
+the ``put`` fails with ``DeadlineExceeded``).  As many bytes again may wait held; past that, or past
+``max_buffered_payloads``, the payload is refused and the sender's ``put`` fails with
+:class:`~omni_async.errors.BufferFull`.  Nothing is dropped silently: a payload that fails to
+decode fails the sender's ``put`` and the local ``get`` of that key with
+:class:`~omni_async.errors.ProtocolError`.
+
+Keys belong to their sender: a ``get``/``wait_for`` naming ``source`` is given only that
+peer's payload; another peer's payload for the key is refused
+(:class:`~omni_async.errors.TransferRefused` to its sender), or, if it was acknowledged before
+the wait began, dropped when the wait takes ``source``'s.  A peer that leaves releases what
+it owned: waits naming it fail with :class:`~omni_async.errors.PeerLost`, its held payloads are
+refused, and its acknowledged ones are dropped after ``orphan_timeout``.
 """
 
 from __future__ import annotations
@@ -26,14 +37,17 @@ import xxhash
 
 from . import serde
 from .agent import Agent, PeerEvent
-from .config import ConnectorSpec
+from .config import ConnectorSpec, Positive, PositiveSeconds
 from .errors import (
+    BufferFull,
     ClosedError,
     ConfigError,
     DeadlineExceeded,
     OmniAsyncError,
+    PeerLost,
     ProtocolError,
     TransferCancelled,
+    TransferRefused,
 )
 from .transport import Frames, Transfer
 
@@ -125,7 +139,14 @@ class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Options of the built-in ``ucx`` connector."""
 
     max_buffered_bytes: int = 256 << 20
-    """Payload bytes buffered before acknowledgements are held back."""
+    """Payload bytes buffered before acknowledgements are held back; as many again may wait with
+    their acknowledgement held, past that a payload is refused with BufferFull."""
+    max_buffered_payloads: Positive = 65536
+    """Payloads buffered at once (acknowledged or held); past it a payload is refused with
+    BufferFull."""
+    orphan_timeout: PositiveSeconds = 30.0
+    """Seconds the acknowledged payloads of a peer that left stay buffered for a reader still
+    catching up; then they are dropped."""
     checksum: bool = False
     """End-to-end xxh3-64 of every payload (header and frames), checked by the receiver.
     Both sides must agree."""
@@ -133,9 +154,19 @@ class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How many refused prefixes (cleaned-up requests) are remembered."""
 
 
-class _Stored(msgspec.Struct):
-    payload: dict[str, Any]
-    nbytes: int
+class _Stored:
+    """A buffered payload; ``space`` is set while its acknowledgement is held back."""
+
+    __slots__ = ("key", "nbytes", "payload", "peer_id", "space")
+
+    def __init__(
+        self, key: str, peer_id: str, payload: dict[str, Any], nbytes: int, space: asyncio.Future[None] | None
+    ) -> None:
+        self.key = key
+        self.peer_id = peer_id
+        self.payload = payload
+        self.nbytes = nbytes
+        self.space = space
 
 
 @register_connector("ucx")
@@ -148,19 +179,27 @@ class UcxConnector(Connector):
         self.agent = agent
         self.options = options or UcxOptions()
         self._loop = asyncio.get_running_loop()
-        self._stored: dict[str, _Stored] = {}
-        self._stored_bytes = 0
+        self._stored: dict[str, dict[str, _Stored]] = {}
+        """key -> sending peer -> payload (one key may come from several peers; the reader's
+        ``source`` picks)."""
+        self._count = 0
+        self._acked_bytes = 0
+        self._held: dict[_Stored, asyncio.TimerHandle] = {}
+        """Payloads whose acknowledgement is held back, oldest first, with their expiry."""
+        self._held_bytes = 0
         self._waiters: dict[str, tuple[asyncio.Future[dict[str, Any]], str | None]] = {}
-        self._space: list[asyncio.Future[None]] = []
         self._refused: OrderedDict[str, None] = OrderedDict()
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        """Peers that left and have not joined again (a wait for their keys fails at once)."""
+        self._orphan_timers: set[asyncio.TimerHandle] = set()
         self._closed = False
         agent.set_message_sink(self._on_message)
         agent.add_peer_listener(self._on_peer)
 
     @property
     def buffered(self) -> tuple[int, int]:
-        """``(payloads, bytes)`` received and not taken yet."""
-        return len(self._stored), self._stored_bytes
+        """``(payloads, bytes)`` received and not taken yet (acknowledged or held)."""
+        return self._count, self._acked_bytes + self._held_bytes
 
     @property
     def waiting(self) -> int:
@@ -176,14 +215,20 @@ class UcxConnector(Connector):
         return self.agent.send_message(peer_id, key, header, frames)
 
     def wait_for(self, key: str, *, source: str | None = None) -> asyncio.Future[dict[str, Any]]:
+        """See :meth:`Connector.wait_for`.  With ``source``, only that peer's payload for ``key``
+        is delivered: others' are refused (their sender's ``put`` fails with
+        :class:`TransferRefused` if it is still unacknowledged), and if ``source`` has left
+        already the future fails at once with :class:`PeerLost`."""
         future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         if self._closed:
             future.set_exception(ClosedError("connector is closed"))
             return future
-        stored = self._stored.pop(key, None)
+        stored = self._take(key, source)
         if stored is not None:
-            self._release(stored.nbytes)
             future.set_result(stored.payload)
+            return future
+        if source is not None and source in self._gone:
+            future.set_exception(PeerLost(f"peer {source!r} left before {key!r} arrived"))
             return future
         if key in self._waiters:
             raise ValueError(f"somebody already waits for {key!r}")
@@ -199,8 +244,9 @@ class UcxConnector(Connector):
     def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False) -> int:
         count = 0
         for key in [k for k in self._stored if k.startswith(prefix)]:
-            self._release(self._stored.pop(key).nbytes)
-            count += 1
+            for stored in list(self._stored[key].values()):
+                self._drop(stored, error or TransferCancelled(f"{key!r} discarded"))
+                count += 1
         for key in [k for k in self._waiters if k.startswith(prefix)]:
             future, _ = self._waiters.pop(key)
             if not future.done():
@@ -210,14 +256,107 @@ class UcxConnector(Connector):
             self._refused[prefix] = None
             while len(self._refused) > self.options.max_refused:
                 self._refused.popitem(last=False)
+        self._admit()
         return count
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for timer in self._orphan_timers:
+            timer.cancel()
+        self._orphan_timers.clear()
         self.discard("", ClosedError("connector closed"))
-        self._release(0, everything=True)
+
+    # -- buffer --------------------------------------------------------------------------------
+    def _take(self, key: str, source: str | None) -> _Stored | None:
+        """Remove and return the payload for ``key`` (from ``source``, if given; other peers'
+        payloads for the key are then refused), acknowledging it if that was held back."""
+        candidates = self._stored.get(key)
+        if not candidates:
+            return None
+        if source is None:
+            stored: _Stored | None = next(iter(candidates.values()))
+        else:
+            stored = candidates.get(source)
+            for other in [c for c in candidates.values() if c.peer_id != source]:
+                log.warning("refused %r from %s: it is awaited from %s", key, other.peer_id, source)
+                self._drop(other, TransferRefused(f"{key!r} is awaited from {source!r}, not {other.peer_id!r}"))
+        if stored is not None:
+            self._remove(stored)
+            if stored.space is not None and not stored.space.done():
+                stored.space.set_result(None)
+            self._admit()
+        return stored
+
+    def _remove(self, stored: _Stored) -> None:
+        candidates = self._stored[stored.key]
+        del candidates[stored.peer_id]
+        if not candidates:
+            del self._stored[stored.key]
+        self._count -= 1
+        if stored.space is None:
+            self._acked_bytes -= stored.nbytes
+        else:
+            self._held_bytes -= stored.nbytes
+            self._held.pop(stored).cancel()
+
+    def _drop(self, stored: _Stored, error: OmniAsyncError) -> None:
+        """Forget a buffered payload; if its acknowledgement was held, its sender gets ``error``."""
+        self._remove(stored)
+        if stored.space is not None and not stored.space.done():
+            stored.space.set_exception(error)
+
+    def _admit(self) -> None:
+        """Acknowledge held payloads, oldest first, while they fit in ``max_buffered_bytes``."""
+        for stored in list(self._held):
+            if self._acked_bytes + stored.nbytes > self.options.max_buffered_bytes:
+                return
+            self._held.pop(stored).cancel()
+            self._held_bytes -= stored.nbytes
+            self._acked_bytes += stored.nbytes
+            space, stored.space = stored.space, None
+            if space is not None and not space.done():
+                space.set_result(None)
+
+    def _buffer(self, peer_id: str, key: str, payload: dict[str, Any], nbytes: int) -> asyncio.Future[None] | None:
+        """Store a payload nobody waits for yet, checking the limits first: acknowledged at once
+        if it fits, held (its acknowledgement back-pressures the sender; at most the agent's
+        ``transfer_timeout``, then dropped) if as many bytes again fit, else refused with
+        :class:`BufferFull`."""
+        candidates = self._stored.setdefault(key, {})
+        if peer_id in candidates:
+            raise ProtocolError(f"a payload for {key!r} is already buffered")
+        limit = self.options.max_buffered_bytes
+        if self._count >= self.options.max_buffered_payloads:
+            self._forget_empty(key)
+            raise BufferFull(f"{self._count} payloads are buffered already (max_buffered_payloads)")
+        if not self._held and self._acked_bytes + nbytes <= limit:
+            candidates[peer_id] = _Stored(key, peer_id, payload, nbytes, None)
+            self._count += 1
+            self._acked_bytes += nbytes
+            return None
+        if self._held and self._held_bytes + nbytes > limit:
+            self._forget_empty(key)
+            raise BufferFull(f"{self._acked_bytes + self._held_bytes} bytes are buffered already (max_buffered_bytes)")
+        space: asyncio.Future[None] = self._loop.create_future()
+        stored = candidates[peer_id] = _Stored(key, peer_id, payload, nbytes, space)
+        self._count += 1
+        self._held_bytes += nbytes
+        self._held[stored] = self._loop.call_later(self.agent.config.transfer_timeout, self._expire, stored)
+        return space
+
+    def _expire(self, stored: _Stored) -> None:
+        """A payload held as long as its sender waits for the acknowledgement (``transfer_timeout``)
+        is dropped: its sender has given up on it."""
+        if stored in self._held:
+            timeout = self.agent.config.transfer_timeout
+            self._drop(stored, DeadlineExceeded(f"{stored.key!r} found no buffer space within {timeout}s"))
+            self._admit()
+
+    def _forget_empty(self, key: str) -> None:
+        if not self._stored.get(key, True):
+            del self._stored[key]
 
     # -- receiving ------------------------------------------------------------------------------
     def _on_message(self, peer_id: str, key: str, meta: bytes, frames: Frames) -> Awaitable[None] | None:
@@ -225,44 +364,64 @@ class UcxConnector(Connector):
             raise ClosedError("connector closed")
         if self._refused and key[: key.rfind(":") + 1] in self._refused:
             raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
+        waiter = self._waiters.get(key)
+        if waiter is not None and waiter[0].done():
+            waiter = None  # withdrawn; its done callback has not run yet
+        if waiter is not None and waiter[1] is not None and waiter[1] != peer_id:
+            log.warning("refused %r from %s: it is awaited from %s", key, peer_id, waiter[1])
+            raise TransferRefused(f"{key!r} is awaited from {waiter[1]!r}, not {peer_id!r}")
         try:
             if self.options.checksum:
                 meta = _verified(meta, frames)
             payload = serde.decode(meta, frames)
-        except ProtocolError as exc:
+        except Exception as exc:  # the codec raises ProtocolError only; anything else is a bug
+            if not isinstance(exc, ProtocolError):
+                log.error("payload decoder failed on %r from %s", key, peer_id, exc_info=exc)
             log.warning("invalid payload %r from %s: %s", key, peer_id, exc)
-            entry = self._waiters.pop(key, None)
-            if entry is not None and not entry[0].done():
-                entry[0].set_exception(ProtocolError(f"invalid payload {key!r} from {peer_id!r}: {exc}"))
-            raise
-        entry = self._waiters.pop(key, None)
-        if entry is not None and not entry[0].done():
-            entry[0].set_result(payload)
+            error = ProtocolError(f"invalid payload {key!r} from {peer_id!r}: {exc}")
+            if waiter is not None:
+                del self._waiters[key]
+                waiter[0].set_exception(error)
+            raise error from None
+        if waiter is not None:
+            del self._waiters[key]
+            waiter[0].set_result(payload)
             return None
-        if key in self._stored:
-            raise ProtocolError(f"a payload for {key!r} is already buffered")
-        nbytes = sum(frame.nbytes for frame in frames)
-        self._stored[key] = _Stored(payload, nbytes)
-        self._stored_bytes += nbytes
-        if self._stored_bytes <= self.options.max_buffered_bytes:
-            return None
-        space: asyncio.Future[None] = self._loop.create_future()
-        self._space.append(space)
-        return space
-
-    def _release(self, nbytes: int, *, everything: bool = False) -> None:
-        self._stored_bytes -= nbytes
-        while self._space and (everything or self._stored_bytes <= self.options.max_buffered_bytes):
-            space = self._space.pop(0)
-            if not space.done():
-                space.set_result(None)
+        return self._buffer(peer_id, key, payload, sum(frame.nbytes for frame in frames))
 
     def _on_peer(self, event: PeerEvent) -> None:
-        if event.kind != "left":
+        """A peer that left releases what it owned: its held payloads (refused), waits naming it
+        as ``source`` (``PeerLost``), and, after ``orphan_timeout``, its acknowledged payloads."""
+        if event.kind == "joined":
+            self._gone.pop(event.peer_id, None)
             return
+        error = event.error if isinstance(event.error, PeerLost) else PeerLost(
+            f"peer {event.peer_id!r} left" + (f": {event.error}" if event.error else ""))
+        self._gone[event.peer_id] = None
+        while len(self._gone) > self.options.max_refused:
+            self._gone.popitem(last=False)
         for future, source in list(self._waiters.values()):
             if source == event.peer_id and not future.done():
-                future.set_exception(event.error or ClosedError(f"peer {event.peer_id!r} left"))
+                future.set_exception(error)
+        mine = [s for candidates in self._stored.values() for s in candidates.values() if s.peer_id == event.peer_id]
+        for stored in [s for s in mine if s.space is not None]:
+            self._drop(stored, error)
+        acked = [s for s in mine if s.space is None]
+        if acked and not self._closed:
+            timer = self._loop.call_later(self.options.orphan_timeout, self._drop_orphans, acked)
+            self._orphan_timers.add(timer)
+        self._admit()
+
+    def _drop_orphans(self, orphans: list[_Stored]) -> None:
+        self._orphan_timers = {t for t in self._orphan_timers if t.when() > self._loop.time()}  # fired: gone
+        dropped = 0
+        for stored in orphans:
+            if self._stored.get(stored.key, {}).get(stored.peer_id) is stored:
+                self._drop(stored, PeerLost(f"peer {stored.peer_id!r} left"))
+                dropped += 1
+        if dropped:
+            log.info("dropped %d payloads of peers that left %ss ago", dropped, self.options.orphan_timeout)
+        self._admit()
 
 
 _DIGEST_BYTES = 8

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -149,6 +149,11 @@ class ControlPlane:
     def peers(self) -> dict[str, PeerInfo]:
         """Joined peers by id (a copy)."""
         return {pid: peer.info for pid, peer in self._peers.items()}
+
+    def last_seen(self, peer_id: str) -> float | None:
+        """``time.monotonic()`` when the peer was last heard from; None if not joined.  Thread-safe."""
+        peer = self._peers.get(peer_id)
+        return None if peer is None else peer.last_seen
 
     async def close(self) -> None:
         """Say goodbye to every peer, stop all tasks and close the sockets.  Idempotent.
@@ -494,16 +499,21 @@ class ControlPlane:
 
 
 def _send_now(sock: zmq.asyncio.Socket, payload: bytes, ident: bytes | None = None) -> bool:
-    """Send at once or drop (never awaits, so it also works from a cancelled task); True if sent."""
-    sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-    try:
-        if ident is None:
-            sync.send(payload, zmq.NOBLOCK)
-        else:
-            sync.send_multipart([ident, payload], zmq.NOBLOCK)
-    except zmq.ZMQError:
-        return False
-    return True
+    """Send without awaiting (so it also works from a cancelled task); a message the socket
+    cannot take now is dropped.  False if it was refused at once.
+
+    Through the asyncio socket, not a shadow: its wrapper must see every operation, or a
+    pending receive can miss ZeroMQ's edge-triggered wake-up.
+    """
+    sending = sock.send(payload, zmq.NOBLOCK) if ident is None else sock.send_multipart([ident, payload], zmq.NOBLOCK)
+    sent = cast("asyncio.Future[Any]", sending)  # zmq.asyncio returns a Future, typed as an Awaitable
+    sent.add_done_callback(_retrieve)
+    return not (sent.done() and _retrieve(sent) is not None)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> BaseException | None:
+    """The future's exception, marked as retrieved (a dropped send is not an error)."""
+    return None if future.cancelled() else future.exception()
 
 
 def _describe(exc: BaseException) -> str:

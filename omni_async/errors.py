@@ -128,6 +128,18 @@ class TransferCancelled(TransferError, remote=True):
     code = "cancelled"
 
 
+class TransferRefused(TransferError, remote=True):
+    """The receiver refused the transfer (e.g. its key is awaited from another peer)."""
+
+    code = "refused"
+
+
+class BufferFull(TransferRefused, remote=True):
+    """The receiver's buffer for payloads nobody asked for yet is full; try again later."""
+
+    code = "buffer_full"
+
+
 class DeadlineExceeded(TransferError, TimeoutError, remote=True):
     """A request or transfer made no progress within its deadline."""
 

@@ -59,7 +59,10 @@ def encode(payload: Payload) -> tuple[bytes, list[Any]]:
     frames: list[Any] = []
     specs: list[_ArraySpec] = []
     tree = _encode_value(payload, frames, specs, 0)
-    return _encoder.encode(_Header(tree, specs)), frames
+    try:
+        return _encoder.encode(_Header(tree, specs)), frames
+    except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an int beyond 64 bits
+        raise TypeError(f"a payload value cannot travel: {exc}") from None
 
 
 def _encode_value(value: Any, frames: list[Any], specs: list[_ArraySpec], depth: int) -> Any:
@@ -154,7 +157,10 @@ def _decode_frame(spec: tuple[str, list[int]], frame: npt.NDArray[np.uint8]) -> 
             f"array of shape {shape} and dtype {dtype_str} needs {count * dtype.itemsize} bytes, "
             f"its frame has {frame.nbytes}"
         )
-    return frame.view(dtype).reshape(shape)
+    try:
+        return frame.view(dtype).reshape(shape)
+    except ValueError as exc:  # e.g. a zero-length shape whose other dimensions overflow numpy
+        raise ProtocolError(f"invalid array shape {shape!r}: {exc}") from None
 
 
 def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any:

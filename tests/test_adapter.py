@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled
+from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled, TransferRefused
 from omni_async.config import AdapterOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -217,3 +217,142 @@ async def test_checksum_mismatch_is_caught(make_service):
         await asyncio.wait_for(tx.agent.send_message("rx", "k", meta, frames), 5)
     with pytest.raises(ProtocolError, match="checksum"):
         await asyncio.wait_for(waiter, 5)
+
+
+async def test_a_chunk_the_codec_cannot_carry_fails_only_its_own_save(make_service):
+    """An int beyond 64 bits cannot travel: that save fails with TypeError, and the adapter's
+    save loop lives on (it used to die, leaving this and every later save hanging)."""
+    _, _, sender, receiver = await linked(make_service)
+    bad = sender.save_async("big", {"x": 2**70})
+    later = [sender.save_async("ok", {"i": i}, final=i == 2) for i in range(3)]
+    with pytest.raises(TypeError):
+        await asyncio.wait_for(bad, 5)
+    await asyncio.wait_for(asyncio.gather(*later), 5)
+    got = await asyncio.wait_for(asyncio.gather(*(receiver.load("ok") for _ in range(3))), 5)
+    assert [c.data["i"] for c in got] == [0, 1, 2]
+    with pytest.raises(TypeError):  # and again, on a live loop
+        await asyncio.wait_for(sender.save("big2", {"x": [-(2**64)]}), 5)
+
+
+class _BrokenWindow:
+    """Fault injection around the adapter's real window semaphore: acquiring it raises."""
+
+    def __init__(self, real: asyncio.Semaphore) -> None:
+        self.real = real
+
+    async def acquire(self) -> bool:
+        raise RuntimeError("injected fault in the save loop")
+
+    def release(self) -> None:
+        self.real.release()
+
+
+async def test_a_save_loop_that_dies_breaks_the_adapter_loudly(make_service):
+    """An unexpected exception that ends the save loop fails every unsettled save at once and
+    makes later saves raise, instead of leaving them waiting forever."""
+    _, _, sender, _ = await linked(make_service)
+    await asyncio.wait_for(sender.save("r", {"i": 0}), 5)
+    sender._window = _BrokenWindow(sender._window)
+    pending = [sender.save_async("r", {"i": i}) for i in range(1, 4)]
+    for save in pending:
+        with pytest.raises(ClosedError, match="broken"):
+            await asyncio.wait_for(save, 5)
+    with pytest.raises(ClosedError, match="broken"):
+        sender.save_async("r", {"i": 9})
+
+
+def envelope(data, final=False):
+    return {"final": final, "cancelled": False, "data": data}
+
+
+async def test_keys_belong_to_their_sender(make_service):
+    """Three agents: a stream loaded from source="tx" takes chunks from tx only; a third peer's
+    chunk for the same key is refused (its put fails), the legitimate stream is unaffected."""
+    tx, rx, sender, receiver = await linked(make_service)
+    ev = await make_service("ev")
+    await asyncio.wait_for(ev.agent.connect(rx.control_address), 5)
+    waiter = receiver.load_async("r")  # chunk 0 is awaited from tx
+    with pytest.raises(TransferRefused, match="awaited from 'tx'"):
+        await asyncio.wait_for(ev.connector.put("rx", "r:thinker:0", envelope({"who": "ev"})), 5)
+    assert not waiter.done()
+    await asyncio.wait_for(sender.save("r", {"who": "tx"}), 5)
+    assert (await asyncio.wait_for(waiter, 5)).data == {"who": "tx"}
+    # Arriving before anyone waits: both are buffered, the load from tx picks tx's, ev's is dropped.
+    await asyncio.wait_for(ev.connector.put("rx", "r:thinker:1", envelope({"who": "ev"}, final=True)), 5)
+    await asyncio.wait_for(sender.save("r", {"who": "tx"}, final=True), 5)
+    chunk1 = await asyncio.wait_for(receiver.load("r"), 5)
+    assert chunk1.data == {"who": "tx"} and chunk1.final
+    assert rx.connector.buffered == (0, 0) and receiver.active_requests == 0
+    assert set(rx.agent.peers) == {"tx", "ev"}  # refused, not dropped
+
+
+async def test_buffer_limits_are_checked_before_storing(make_service):
+    """Payloads nobody asked for: acknowledged while they fit, held (back-pressure) while as many
+    bytes again fit, then refused with BufferFull; never stored past the limits."""
+    size = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"max_buffered_bytes": 4 * size,
+                                                                       "max_buffered_payloads": 12}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    puts = [tx.connector.put_nowait("rx", f"k{i}", {"x": np.full(size, i, np.uint8)}) for i in range(12)]
+    for _ in range(200):
+        if sum(p.done() for p in puts) >= 8 and rx.connector.buffered[0] >= 8:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # nothing more settles while nobody reads
+    outcomes = [type(p.error()).__name__ if p.done() else "held" for p in puts]
+    assert outcomes == ["NoneType"] * 4 + ["held"] * 4 + ["BufferFull"] * 4, outcomes
+    assert rx.connector.buffered == (8, 8 * size)
+    for i in range(8):  # a reader frees space: the held ones are acknowledged in order
+        assert (await rx.connector.get(f"k{i}", timeout=5))["x"][0] == i
+    await asyncio.wait_for(asyncio.gather(*puts[:8]), 5)
+    assert rx.connector.buffered == (0, 0)
+    # The count limit holds for empty payloads too.
+    small = [tx.connector.put_nowait("rx", f"e{i}", {}) for i in range(13)]
+    results = await asyncio.wait_for(asyncio.gather(*small, return_exceptions=True), 5)
+    assert [type(r).__name__ for r in results] == ["NoneType"] * 12 + ["BufferFull"]
+    assert rx.connector.buffered == (12, 0)
+
+
+async def test_a_peer_that_left_releases_what_it_owned(make_service):
+    """Its held payloads are released at once, waits naming it fail with PeerLost (also ones
+    made later), and its acknowledged payloads are dropped after orphan_timeout."""
+    size = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"max_buffered_bytes": 2 * size,
+                                                                       "orphan_timeout": 0.5}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    puts = [tx.connector.put_nowait("rx", f"k{i}", {"x": np.zeros(size, np.uint8)}) for i in range(4)]
+    await asyncio.wait_for(asyncio.gather(*puts[:2]), 5)
+    waiter = rx.connector.wait_for("other", source="tx")
+    for _ in range(100):
+        if rx.connector.buffered == (4, 4 * size):
+            break
+        await asyncio.sleep(0.02)
+    assert rx.connector.buffered == (4, 4 * size)  # two acknowledged, two held
+    await tx.close()
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(waiter, 5)
+    assert rx.connector.buffered == (2, 2 * size)  # the held ones are gone with their sender
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(rx.connector.wait_for("later", source="tx"), 1)
+    assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size  # a late reader still gets it
+    await asyncio.sleep(0.7)
+    assert rx.connector.buffered == (0, 0)  # nobody took k1: dropped after orphan_timeout
+
+
+async def test_a_held_payload_expires_with_its_transfer(make_service):
+    """A payload whose acknowledgement is held for want of buffer space is held at most the
+    receiver's transfer_timeout, then dropped: its sender's put fails with DeadlineExceeded."""
+    size = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", agent={"transfer_timeout": 0.5},
+                            connector={"name": "ucx", "extra": {"max_buffered_bytes": size}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    await asyncio.wait_for(tx.connector.put("rx", "k0", {"x": np.zeros(size, np.uint8)}), 5)
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="buffer space"):
+        await asyncio.wait_for(tx.connector.put("rx", "k1", {"x": np.zeros(size, np.uint8)}), 5)
+    assert 0.4 < time.monotonic() - started < 3
+    assert rx.connector.buffered == (1, size)
+    assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size

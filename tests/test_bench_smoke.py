@@ -1,22 +1,43 @@
 """Smoke test of ``python -m bench``: each command runs, quickly, and prints one JSON object.
 
 The numbers of a smoke run mean nothing (a few iterations, a shared CPU); only the shape of
-the report and the sign of its numbers are checked.  NIXL is optional: where it is not
-installed its ratios are null.
+the report and the sign of its numbers are checked (every contender verifies its bytes: a
+mismatch fails the run).  NIXL is optional: where it is not installed its ratios are null.
+The plots (``--plot``) need the ``bench`` extra: without matplotlib the rest is checked and the
+test then skips, saying so.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RATIO_KEYS = {"a", "b", "c", "a_tcp", "b_tcp", "c_tcp"}
+COMPAT_KEYS = {"compat_a", "compat_b", "compat_c"}
+CHUNK_ZMQ_KEYS = {"chunk_a", "chunk_8k", "chunk_256k"}
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def plot_args(path: Path) -> list[str]:
+    return ["--plot", str(path)] if HAS_MATPLOTLIB else []
+
+
+def check_plot(path: Path, report: dict[str, Any], labels: list[str]) -> None:
+    """The SVG exists, names every contender and row, and carries the run's provenance."""
+    if not HAS_MATPLOTLIB:
+        pytest.skip("matplotlib (the bench extra) is not installed: --plot not checked")
+    svg = path.read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg
+    for text in [*labels, *report["results"], report["omni_async_tree"]["head"], report["date"]]:
+        assert text in svg, text
 
 
 def bench(*args: str, timeout: float) -> dict[str, Any]:
@@ -31,18 +52,32 @@ def bench(*args: str, timeout: float) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_blocks_quick_reports_ratios() -> None:
-    report = bench("blocks", "--quick", "--iters", "2", timeout=100)
+def test_blocks_quick_reports_ratios(tmp_path: Path) -> None:
+    plot = tmp_path / "blocks.svg"
+    report = bench("blocks", "--quick", "--iters", "2", *plot_args(plot), timeout=100)
     ratios = report["ratios"]
-    assert set(ratios) >= RATIO_KEYS
-    for name, ratio in ratios.items():
+    assert set(ratios) >= RATIO_KEYS | COMPAT_KEYS
+    for name in report["results"]:
+        ratio = ratios[name]
         assert ratio["vs_memcpy"] > 0, name
+        assert ratio["vs_rows"] > 0, name
         assert ratio["vs_nixl"] is None or ratio["vs_nixl"] > 0, name
     for name, row in report["results"].items():
         speed = row["omni_async"]["p50_us"] if row["kind"] == "latency" else row["omni_async"]["gbps"]
         assert speed > 0, name
+        assert row["memcpy_rows"]["n"] > 0, name
     for info in report["nixl"].values():
         assert info["available"] or info["reason"]
+    # facade rows: both poll modes measured, the ratio is the worse of the two
+    assert set(report["compat_results"]) == COMPAT_KEYS
+    for name in COMPAT_KEYS:
+        row, ratio = report["compat_results"][name], ratios[name]
+        assert row["of"] == name.removeprefix("compat_")
+        assert row["tight"]["n"] >= 1 and row["step"]["n"] >= 1, name
+        assert ratio["vs_async_tight"] > 0 and ratio["vs_async_step"] > 0, name
+        assert ratio["vs_async"] == min(ratio["vs_async_tight"], ratio["vs_async_step"]), name
+    assert {t["row"] for t in report["targets"].values()} >= COMPAT_KEYS | {"a", "b", "c", "a_tcp"}
+    check_plot(plot, report, ["omni_async", "NIXL", "rows copy", "facade, tight poll"])
 
 
 @pytest.mark.timeout(60)
@@ -56,8 +91,17 @@ def test_idle_reports_cpu() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_chunks_quick_reports_ratios() -> None:
-    report = bench("chunks", "--quick", timeout=50)
-    assert {"chunk_a", "chunk_stream", "chunk_a_tcp", "chunk_stream_tcp"} <= set(report["ratios"])
+def test_chunks_quick_reports_ratios(tmp_path: Path) -> None:
+    plot = tmp_path / "chunks.svg"
+    report = bench("chunks", "--quick", *plot_args(plot), timeout=50)
+    assert {"chunk_a", "chunk_stream", "chunk_a_tcp", "chunk_stream_tcp"} | CHUNK_ZMQ_KEYS <= set(report["ratios"])
     for name, ratio in report["ratios"].items():
         assert ratio["vs_memcpy"] > 0, name
+        # the pyzmq baseline ran beside every row, same shapes (its receiver checked every chunk)
+        assert ratio["vs_zmq"] > 0, name
+        row = report["results"][name]
+        assert row["zmq"]["n"] == row["omni_async"]["n"], name
+        assert row["zmq_chunks_per_s"] > 0, name
+    assert report["zmq"]["available"]
+    assert {t["row"] for t in report["targets"].values()} == CHUNK_ZMQ_KEYS
+    check_plot(plot, report, ["omni_async", "pyzmq + msgspec", "memcpy"])

@@ -10,6 +10,7 @@ process, each with its own loop thread and ConnectorService, connected over loop
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -241,3 +242,31 @@ def test_shutdown_is_idempotent_then_everything_raises_closed():
         with pytest.raises(ClosedError):
             call()
     assert adapter.get_finished_requests() == set()  # the books stay readable
+
+
+def test_a_scheduler_that_drains_without_sleeping_does_not_starve_the_loops(pair):
+    """The seed's scheduler drain with no sleep between calls, on both sides of the pair.
+
+    Each loop thread releases the GIL on every epoll and ctypes call; from a caller that never
+    blocks it gets it back only after the switch interval.  Raised to 100 ms here, 20 requests
+    with starved loops take seconds; ``get_finished_requests()`` waiting for news keeps them fast.
+    """
+    tx, rx = pair
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.1)
+    try:
+        start = time.perf_counter()
+        for i in range(20):
+            request_id = f"req-tight-{i}"
+            tx.save_async(request_id, {"x": i}, final=True)
+            rx.load_async(request_id)
+            for side in (tx, rx):
+                while request_id not in side.get_finished_requests():
+                    assert time.perf_counter() - start < DEADLINE_S, f"{request_id} never finished"
+            loaded = rx.get_loaded(request_id)
+            assert loaded is not None and loaded.data == {"x": i} and loaded.final
+        elapsed = time.perf_counter() - start
+    finally:
+        sys.setswitchinterval(previous)
+    assert elapsed < 1.0, f"20 requests took {elapsed:.2f}s"
+    assert tx.collect_failed_send_request_ids() == {} and rx.collect_failed_receive_request_ids() == {}

@@ -82,20 +82,37 @@ async def test_receiver_killed_mid_transfer_fails_awaiters_in_time(make_agent, s
 
 @pytest.mark.parametrize("tls", SHIPPED_TLS)
 async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spawn_peer, tmp_path, tls):
+    """kill -9 of a sender in the middle of its writes: the receiver (this process) drops it in
+    time, no byte lands outside the rows the writes announced, and the next sender's write
+    arrives intact."""
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", ucx_tls=tls)
+    agent.region.array[:] = 0xAB
+    first, count = 16, 32  # the writer's blocks go to rows 16..47 only
     events: list[PeerEvent] = []
     agent.add_peer_listener(events.append)
     writer = await spawn_peer("write", str(tmp_path / "w"), NUM_BLOCKS, BLOCK_LEN,
-                              {"ucx_tls": tls, "peer_id": "tx"}, agent.control_address)
+                              {"ucx_tls": tls, "peer_id": "tx"}, agent.control_address, str(first), str(count))
     assert writer.info == {"connected": "rx"}
-    await asyncio.sleep(0.2)  # let it write for a while
+    sent = np.array(peer_region(str(tmp_path / "w"))[:count])
+    while not (agent.region.array[first:first + count] == sent).all():  # at least one write landed
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # writes are continuously in flight
     writer.kill()
     killed_at = time.monotonic()
     while "tx" in agent.peers:
         assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
         await asyncio.sleep(0.02)
     assert [e.kind for e in events] == ["joined", "left"] and isinstance(events[1].error, PeerLost)
-    # Still serving: another sender can connect and write.
+    outside = np.r_[0:first, first + count:NUM_BLOCKS]
+    assert (agent.region.array[outside] == 0xAB).all(), "a byte landed outside the announced rows"
+    # Still serving: the next sender's write lands intact, and this side can send too.
+    nxt = await spawn_peer("write", str(tmp_path / "n"), NUM_BLOCKS, BLOCK_LEN,
+                           {"ucx_tls": tls, "peer_id": "tx2"}, agent.control_address, "0", "8", "once")
+    assert nxt.info == {"connected": "rx"}
+    line = await asyncio.wait_for(nxt.proc.stdout.readline(), 10)
+    assert json.loads(line) == {"written": 8}
+    assert np.array_equal(agent.region.array[:8], peer_region(str(tmp_path / "n"))[:8])
+    assert (agent.region.array[first + count:] == 0xAB).all()
     other = await spawn_peer("serve", str(tmp_path / "o"), NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "o"})
     await asyncio.wait_for(agent.connect(other.info["address"]), 10)
     agent.region.array[5] = 42

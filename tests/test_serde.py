@@ -61,7 +61,8 @@ def test_non_contiguous_and_big_endian_are_normalised():
     assert out.dtype == np.dtype("<i4") and np.array_equal(out, array)
 
 
-@pytest.mark.parametrize("bad", [{"x": object()}, {1: 2}, {"x": np.array([object()])}, {"x": {3: 1}}, [1]])
+@pytest.mark.parametrize("bad", [{"x": object()}, {1: 2}, {"x": np.array([object()])}, {"x": {3: 1}}, [1],
+                                 {"x": 2**70}, {"x": [-(2**64)]}])
 def test_encode_refuses(bad):
     with pytest.raises(TypeError):
         serde.encode(bad)
@@ -90,6 +91,7 @@ REF0 = msgspec.msgpack.Ext(1, (0).to_bytes(4, "little"))
         (_header([1, 2], []), []),
         (_header({"x": msgspec.msgpack.Ext(2, (0).to_bytes(4, "little"))}, [["<f4", [1]]]), [np.zeros(4, np.uint8)]),
         (_header({"x": NESTED}, []), []),
+        (_header({"x": REF0}, [["<f8", [0, 2**62, 2**62]]]), [np.zeros(0, np.uint8)]),  # numpy refuses the shape
     ],
 )
 def test_decode_rejects(header, frames):

@@ -288,6 +288,10 @@ class UcxTransport:
     def peer(self, peer_id: str) -> PeerInfo:
         return self._link(peer_id).peer
 
+    def same_host(self, peer_id: str) -> bool:
+        """Whether the peer's lane is a same-host one (shared memory, gathered writes)."""
+        return self._link(peer_id).gather
+
     def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
         """Transfers sent and not settled yet (to one peer, or to all)."""
         links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
@@ -307,7 +311,7 @@ class UcxTransport:
         block_len = self.region.block_len
         transfer = self._new_transfer(link, len(local_idxs) * block_len, "blocks")
         if not runs:
-            transfer.set_done()
+            self._settle(link, transfer.id, None)  # nothing to move: done, and not left in flight
             return transfer
         # Many small runs: one gathered message (Python cost per message dominates).  Large
         # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
@@ -349,6 +353,7 @@ class UcxTransport:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
         timer = self._loop.call_later(self.config.transfer_timeout, self._expire, link, transfer.id)
         link.sent[transfer.id] = _Sent(transfer, timer, kind, self._loop.time())
+        self.metrics.started(link.peer.peer_id)
         return transfer
 
     def _sent(self, link: _Link, transfer_id: int, error: BaseException | None) -> None:
@@ -372,7 +377,9 @@ class UcxTransport:
             return  # settled already (cancelled, expired, acknowledged)
         sent.timer.cancel()
         outcome = "ok" if error is None else error.code
-        self.metrics.settled(sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started)
+        self.metrics.settled(
+            sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
+        )
         if error is None:
             sent.transfer.set_done()
         else:
@@ -402,7 +409,9 @@ class UcxTransport:
             return True
         sent = link.sent.pop(transfer.id)
         sent.timer.cancel()
-        self.metrics.settled(sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started)
+        self.metrics.settled(
+            sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started, transfer.peer_id
+        )
         return False
 
     # -- receiving -------------------------------------------------------------------------
@@ -552,7 +561,8 @@ class UcxTransport:
         """Acknowledge an incoming transfer, or report why it failed, unless the lane is gone."""
         if self._links.get(link.peer.peer_id) is not link:
             return
-        self.metrics.answered(kind, nbytes, "ok" if error is None else getattr(error, "code", TransferFailed.code))
+        outcome = "ok" if error is None else getattr(error, "code", TransferFailed.code)
+        self.metrics.answered(kind, nbytes, outcome, link.peer.peer_id)
         if error is None:
             ack = Ack(transfer_id)
         elif isinstance(error, OmniAsyncError):

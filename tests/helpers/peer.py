@@ -5,9 +5,11 @@
   its stdin closes (or it is killed).  Chunk messages it receives are appended to
   ``REGION_FILE.messages`` as JSON lines.
 
-``python -m tests.helpers.peer write REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
-  connects to ADDRESS, prints ``{"connected": peer_id}`` and writes all its blocks there
-  in a loop until killed.
+``python -m tests.helpers.peer write REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS [FIRST COUNT [once]]``
+  fills its region with random bytes, connects to ADDRESS, prints ``{"connected": peer_id}``
+  and writes its blocks there in a loop until killed: all of them to the same rows, or, with
+  FIRST and COUNT, its first COUNT blocks to the peer's rows FIRST.. .  With ``once`` it writes
+  one time, prints ``{"written": COUNT}`` and waits until its stdin closes.
 
 ``python -m tests.helpers.peer pump REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
   like ``write`` with 8 writes in flight, printing ``{"ok": n}`` every 20 completed writes and
@@ -72,11 +74,7 @@ async def main(argv: list[str]) -> None:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, sys.stdin.read)
         elif role == "write":
-            peer = await agent.connect(argv[5])
-            say({"connected": peer})
-            blocks = list(range(region.num_blocks))
-            while True:
-                await agent.write_blocks(peer, blocks, blocks)
+            await write(agent, argv[5], *argv[6:])
         elif role == "pump":
             await pump(agent, argv[5])
 
@@ -110,6 +108,23 @@ async def streams(path: str, config: dict[str, Any]) -> None:
 
             results = await asyncio.gather(*(check(r) for r in plan["requests"]))
             say({"verified": sum(r[0] for r in results), "bad": sum(r[1] for r in results)})
+
+
+async def write(agent: Agent, address: str, first: str = "0", count: str = "", once: str = "") -> None:
+    region = agent.region.array
+    region[:] = np.random.default_rng(17).integers(0, 256, region.shape, dtype=np.uint8)
+    if isinstance(region, np.memmap):
+        region.flush()  # the test reads what was sent from the file
+    peer = await agent.connect(address)
+    say({"connected": peer})
+    local = list(range(int(count) if count else agent.region.num_blocks))
+    remote = [int(first) + i for i in local]
+    while True:
+        await agent.write_blocks(peer, local, remote)
+        if once:
+            say({"written": len(local)})
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+            return
 
 
 async def pump(agent: Agent, address: str) -> None:

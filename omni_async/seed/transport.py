@@ -1,0 +1,528 @@
+"""``SyncDataTransport``: the seed ``DataTransport`` contract (thread and poll) over an :class:`Agent`.
+
+One :class:`~omni_async.agent.Agent` runs on the loop of a :class:`~omni_async.seed.portal.Portal`:
+
+* ``add_remote_peer``, ``remove_remote_peer``, ``cancel(mode="wait")`` and ``close`` wait
+  (bounded) for the loop; ``write_blocks`` waits only while the loop posts the write (the core
+  validates the indices there, once, and the transfer id is the core's);
+* the loop pushes every settled transfer into locked books that ``poll`` drains; a ``poll`` that
+  finds nothing while transfers are in flight waits for the next settlement on a condition (at
+  most :data:`~omni_async.seed.portal.NEWS_WAIT_S`), so a caller polling in a tight loop or
+  between pure-Python work never starves the loop of the GIL.
+
+Threading: every public method may be called from any thread except the transport's own loop
+thread (a call from there would wait on itself and raises :class:`RuntimeError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import socket
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
+from typing import Any, NamedTuple
+
+import msgspec
+
+from ..agent import Agent, PeerEvent
+from ..auth import join_address, split_address
+from ..config import AgentConfig
+from ..errors import (
+    AlreadyConnected,
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    HandshakeRejected,
+    HandshakeTimeout,
+    LayoutMismatch,
+    OmniAsyncError,
+    PeerLost,
+    TransferFailed,
+)
+from ..region import BlockRegion, config_fingerprint
+from ..transport import CancelMode, Transfer
+from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
+from .portal import Facade, Portal
+
+__all__ = ["PollResult", "SyncDataTransport"]
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 10.0
+"""How long the constructor waits for the loop to open UCX and bind the control plane."""
+_CLOSE_BUDGET_S = 30.0
+"""Safety bound on ``close()``: far above the agent's own bounded close (lane drain, endpoint
+close grace, socket linger: seconds), which is never cut short."""
+_DIAL_GRACE_S = 0.5
+"""How long the side with the larger peer id waits for the other side's dial before dialling."""
+_ADMISSION_CHECK_S = 0.05
+"""While a peer's handshake is being admitted here, how often to check whether it ended."""
+_MAX_REASONS = 1 << 16
+"""Failure reasons kept for :meth:`SyncDataTransport.failure_reason` (oldest dropped first)."""
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
+
+
+class PollResult(NamedTuple):
+    """Result of polling inflight transfers.
+
+    Attributes:
+        done: Transfer IDs that completed successfully.
+        failed: Transfer IDs that failed (error, timeout, etc.).
+    """
+
+    done: Sequence[int]
+    failed: Sequence[int]
+
+
+def _dialable(address: str, advertise_host: str | None) -> str:
+    """The bound ``tcp://host:port[?key=K]`` with a wildcard host replaced by one a peer can dial."""
+    endpoint, key = split_address(address)
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if advertise_host:
+        host = advertise_host
+    elif host in _WILDCARD_HOSTS:
+        host = socket.gethostname()
+    return join_address(f"tcp://{host}:{port}", key)
+
+
+class _Engine:
+    """The agent on the portal's loop, and the books shared with the caller's threads.
+
+    Holds no reference to the facade, so an unreferenced :class:`SyncDataTransport` can be
+    collected (and its finalizer shuts the engine down).  Fields marked *locked* are guarded by
+    ``portal.lock``; ``handles`` belongs to the loop thread alone.
+    """
+
+    def __init__(self, config: AgentConfig, use_uvloop: bool) -> None:
+        self.config = config
+        self.inflight: dict[int, str] = {}  # locked: id -> caller's peer id, until polled/cancelled
+        self.settled: dict[int, tuple[str, bool]] = {}  # locked: id -> (peer id, ok), not polled yet
+        self.reasons: OrderedDict[int, OmniAsyncError] = OrderedDict()  # locked
+        self.live: set[str] = set()  # locked: agent-level ids of joined peers
+        self.peers: dict[str, str] = {}  # locked: caller's peer id -> agent-level peer id
+        self.handles: dict[int, Transfer] = {}  # loop thread only: id -> core transfer, until settled
+        self.agent: Agent | None = None
+        self.portal = Portal(f"omni-sync-{config.peer_id}", "SyncDataTransport", use_uvloop=use_uvloop)
+
+    def start(self, region: BlockRegion) -> Agent:
+        async def start_agent() -> Agent:
+            agent = Agent(region, self.config)
+            agent.add_peer_listener(self.on_peer_event)
+            self.agent = agent
+            return await agent.start()
+
+        return self.portal.run(start_agent(), _START_TIMEOUT_S, "starting the agent")
+
+    def shutdown(self) -> None:
+        """Close the agent (failing what is in flight) to its end, stop the loop, join its thread."""
+        agent = self.agent
+        self.portal.stop(agent.close if agent is not None else None, _CLOSE_BUDGET_S)
+        with self.portal.lock:
+            self.inflight.clear()
+            self.settled.clear()
+            self.peers.clear()
+            self.live.clear()
+
+    # -- draining (caller's thread, lock held) -----------------------------------------------
+    def collect(self, peer_id: str | None) -> PollResult:
+        done: list[int] = []
+        failed: list[int] = []
+        for transfer_id, (owner, ok) in list(self.settled.items()):
+            if peer_id is None or owner == peer_id:
+                del self.settled[transfer_id]
+                self.inflight.pop(transfer_id, None)
+                (done if ok else failed).append(transfer_id)
+        return PollResult(done, failed)
+
+    def moving(self, peer_id: str | None) -> bool:
+        """Whether a transfer (of ``peer_id``, if given) is in flight and not settled yet."""
+        if peer_id is None:
+            return len(self.inflight) > len(self.settled)
+        return any(owner == peer_id and i not in self.settled for i, owner in self.inflight.items())
+
+    # -- on the loop -------------------------------------------------------------------------
+    def on_peer_event(self, event: PeerEvent) -> None:
+        with self.portal.lock:
+            if event.kind == "joined":
+                self.live.add(event.peer_id)
+                return
+            self.live.discard(event.peer_id)
+        # The agent already failed the peer's transfers; catch any it did not know about.
+        error = event.error or PeerLost(f"peer {event.peer_id!r} left")
+        for transfer in list(self.handles.values()):
+            if transfer.peer_id == event.peer_id and not transfer.done():
+                self.handles.pop(transfer.id, None)
+                self.settle(transfer.id, error)
+
+    def submit(self, name: str, core_id: str, local: list[int], remote: list[int]) -> int | OmniAsyncError:
+        """Post the write through the agent (which validates it); its id, or why it was refused."""
+        assert self.agent is not None
+        try:
+            transfer = self.agent.write_blocks(core_id, local, remote)
+        except OmniAsyncError as exc:
+            return exc
+        except Exception as exc:  # a UCX error posting the sends
+            log.exception("a write to %s could not be posted", core_id)
+            return TransferFailed(f"could not post the write: {exc!r}")
+        self.handles[transfer.id] = transfer
+        with self.portal.lock:
+            self.inflight[transfer.id] = name
+        transfer.add_done_callback(self.on_transfer_done)
+        return transfer.id
+
+    def on_transfer_done(self, transfer: Transfer) -> None:
+        self.handles.pop(transfer.id, None)
+        self.settle(transfer.id, transfer.error())
+
+    def settle(self, transfer_id: int, error: OmniAsyncError | None) -> None:
+        with self.portal.lock:
+            peer_id = self.inflight.get(transfer_id)
+            if peer_id is None or transfer_id in self.settled:
+                return  # cancelled ("immediate"), released, or settled already
+            self.settled[transfer_id] = (peer_id, error is None)
+            if error is not None:
+                self.reasons[transfer_id] = error
+                while len(self.reasons) > _MAX_REASONS:
+                    self.reasons.popitem(last=False)
+            self.portal.notify()
+
+    def cancel_now(self, transfer_ids: list[int]) -> None:
+        known = [i for i in transfer_ids if self.handles.pop(i, None) is not None]
+        if known and self.agent is not None:
+            with suppress(ClosedError):
+                self.agent.cancel(known, "immediate")
+
+    def cancel_wait(self, transfer_ids: list[int]) -> list[int]:
+        known = [i for i in transfer_ids if i in self.handles]
+        draining: set[int] = set()
+        if known and self.agent is not None:
+            with suppress(ClosedError):
+                draining = set(self.agent.cancel(known, "wait"))
+        still: list[int] = []
+        with self.portal.lock:
+            for transfer_id in transfer_ids:
+                if transfer_id in draining and transfer_id in self.inflight:
+                    still.append(transfer_id)
+                else:  # settled already (not polled yet): released now
+                    self.inflight.pop(transfer_id, None)
+                    self.settled.pop(transfer_id, None)
+        return still
+
+    async def join(self, card: AgentCard, base_addr: int, num_blocks: int, block_len: int) -> None:
+        """Make sure the agent behind ``card`` is joined, dialling it if needed; check its layout.
+
+        The handshake checks the fingerprint and ``block_len`` against this side's; this checks
+        that the peer is the one ``add_remote_peer`` described.  Both sides of a pair usually
+        call ``add_remote_peer`` at about the same time, and two handshakes crossing each other
+        make both sides drop the pair.  So the side with the smaller peer id dials at once; the
+        other waits ``_DIAL_GRACE_S`` for that dial before dialling itself (needed when only one
+        side registers the other); and neither dials while a handshake from the peer is being
+        admitted here.
+        """
+        agent = self.agent
+        assert agent is not None
+        core_id = card.peer_id
+        timeout = self.config.handshake_timeout
+        grace = min(_DIAL_GRACE_S, timeout / 2) if agent.peer_id > core_id else 0.0
+        await self._await_their_handshake(core_id, grace)
+        if core_id not in agent.peers:
+            try:
+                joined = await agent.connect(card.address)
+            except AlreadyConnected as exc:
+                # The peer dialled us meanwhile: its handshake completes (or completed) here.
+                await self._await_their_handshake(core_id, timeout)
+                if core_id not in agent.peers:
+                    raise HandshakeRejected(f"crossed handshakes with {core_id!r}: {exc}") from None
+            else:
+                if joined != core_id:
+                    await agent.remove_peer(joined)
+                    raise HandshakeRejected(
+                        f"{card.address} answered as {joined!r}, but the metadata names {core_id!r}"
+                    )
+        info = agent.peers.get(core_id)
+        if info is None:
+            raise PeerLost(f"peer {core_id!r} left during the handshake")
+        expected = (base_addr, num_blocks, block_len)
+        actual = (info.base_addr, info.num_blocks, info.block_len)
+        if actual != expected:
+            await agent.remove_peer(core_id)
+            raise LayoutMismatch(
+                f"peer {core_id!r} has (base_addr, num_blocks, block_len) = {actual}, "
+                f"but add_remote_peer was given {expected}"
+            )
+
+    async def _await_their_handshake(self, core_id: str, grace: float) -> None:
+        """Wait up to ``grace`` s for ``core_id`` to join, and on while its handshake is admitted here.
+
+        Joins wake this at once; while a handshake is being admitted the admission's end is
+        re-checked every ``_ADMISSION_CHECK_S`` (a rejected one emits no event).
+        """
+        agent = self.agent
+        assert agent is not None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        limit = start + grace + self.config.handshake_timeout
+        while core_id not in agent.peers:
+            now = loop.time()
+            if now >= limit:
+                return
+            if agent.control.is_admitting(core_id):
+                wait = min(_ADMISSION_CHECK_S, limit - now)
+            elif now < start + grace:
+                wait = start + grace - now
+            else:
+                return
+            with suppress(TimeoutError):
+                await agent.wait_for_peer(core_id, timeout=wait)
+
+
+class SyncDataTransport(Facade):
+    """The seed ``DataTransport`` contract, synchronous, backed by an :class:`Agent` on its own loop.
+
+    Construction:
+        view: a writeable, C-contiguous 2-D memoryview (``num_blocks × block_len`` bytes) over the
+            local block storage.  The caller owns the memory; the transport keeps a reference
+            and, once peers are added, peers may write into any block at any time.  A block
+            passed to :meth:`write_blocks` must not change until its id is polled.
+        config_fields: model config values hashed into :attr:`config_fingerprint` (None or
+            empty: compatible with any peer).  Overrides ``config.config_fields`` when given.
+        config: agent settings (control-plane host/port, timeouts, UCX transports, peer id,
+            CURVE keys: the metadata then carries this side's public key).
+
+    The constructor blocks until the agent is listening (raises :class:`ConfigError` for a bad
+    view, or the agent's start error).  Use as a context manager or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        view: memoryview,
+        config_fields: dict[str, Any] | None = None,
+        *,
+        config: AgentConfig | None = None,
+        advertise_host: str | None = None,
+        use_uvloop: bool = True,
+    ) -> None:
+        """``advertise_host`` (extra): host put in the metadata instead of the bound one."""
+        view = memoryview(view)
+        if view.ndim != 2 or view.itemsize != 1:
+            raise ConfigError(
+                f"view must be a 2-D byte memoryview (num_blocks × block_len), got ndim={view.ndim} "
+                f"format={view.format!r}"
+            )
+        if view.readonly or not view.c_contiguous:
+            raise ConfigError("view must be writeable and C-contiguous: peers write into it")
+        config = config or AgentConfig()
+        if config_fields is not None:
+            config = msgspec.structs.replace(config, config_fields=config_fields)
+        config = msgspec.structs.replace(config, peer_id=config.resolved_peer_id())
+        self._view = view
+        self._base_addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        shape = view.shape
+        assert shape is not None  # a 2-D view always has one
+        self._num_blocks, self._block_len = int(shape[0]), int(shape[1])
+        self._config_fingerprint = config_fingerprint(config.config_fields)
+        self._config = config
+        self._peer_id = config.peer_id
+        self._last_error: OmniAsyncError | None = None
+        engine = _Engine(config, use_uvloop)
+        self._engine = engine
+        self._portal = engine.portal
+        self._finalizer = weakref.finalize(self, engine.shutdown)
+        try:
+            agent = engine.start(BlockRegion.wrap(view))
+        except BaseException:
+            self._finalizer()
+            raise
+        self._address = _dialable(agent.control_address, advertise_host)
+        self._metadata = encode_agent_metadata(AgentCard(self._address, config.peer_id, self._config_fingerprint))
+
+    def _describe(self) -> str:
+        return f"{self.peer_id!r} {self._num_blocks}×{self._block_len}"
+
+    # -- the seed's properties ------------------------------------------------------------------
+    @property
+    def base_addr(self) -> int:
+        """Base address of the local block memory region (``ctypes.addressof`` of the view)."""
+        return self._base_addr
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks in the local region."""
+        return self._num_blocks
+
+    @property
+    def block_len(self) -> int:
+        """Size of each block in bytes."""
+        return self._block_len
+
+    @property
+    def config_fingerprint(self) -> str:
+        """Seed-identical content hash of ``config_fields`` (hex, 16 chars); ``""`` = always compatible."""
+        return self._config_fingerprint
+
+    # -- extras (and peer_id, control_address, loop) --------------------------------------------
+    @property
+    def agent(self) -> Agent:
+        """The underlying agent.  Touch it only on :attr:`loop` (e.g. ``run_coroutine_threadsafe``)."""
+        assert self._engine.agent is not None
+        return self._engine.agent
+
+    @property
+    def last_error(self) -> OmniAsyncError | None:
+        """Why the latest :meth:`write_blocks` that returned ``None`` was refused."""
+        return self._last_error
+
+    def failure_reason(self, transfer_id: int) -> OmniAsyncError | None:
+        """The error a failed transfer ended with (:class:`PeerLost`, :class:`DeadlineExceeded`,
+        :class:`TransferCancelled`...), or None if it did not fail or is forgotten."""
+        with self._portal.lock:
+            return self._engine.reasons.get(transfer_id)
+
+    # -- the seed's methods ---------------------------------------------------------------------
+    def get_agent_metadata(self) -> bytes:
+        """Opaque bytes a peer passes to its ``add_remote_peer``: control address, peer id, fingerprint."""
+        self._portal.check_open()
+        return self._metadata
+
+    def add_remote_peer(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+    ) -> None:
+        """Register the peer as ``peer_id`` (the caller's name for it), handshaking if needed.
+
+        Blocks for a handshake (bounded by a few handshake timeouts).  Succeeds when the peer
+        already joined us (it registered us first); calling it again for the same peer is a
+        no-op, for a different peer it replaces the registration.  Raises
+        :class:`ProtocolError` (malformed metadata), :class:`FingerprintMismatch`,
+        :class:`LayoutMismatch` (``block_len`` differs from ours, or the handshake's
+        ``base_addr``/``num_blocks``/``block_len`` differ from the arguments: the peer is then
+        disconnected), :class:`HandshakeTimeout` or another :class:`HandshakeRejected`,
+        :class:`ClosedError`.
+        """
+        self._portal.check_open()
+        card = decode_agent_metadata(agent_metadata)
+        engine = self._engine
+        timeout = self._config.handshake_timeout
+        budget = min(_DIAL_GRACE_S, timeout / 2) + 4 * timeout + 1.0
+        try:
+            self._portal.run(engine.join(card, base_addr, num_blocks, block_len), budget, f"handshake with {peer_id!r}")
+        except DeadlineExceeded as exc:
+            raise HandshakeTimeout(str(exc)) from None
+        with self._portal.lock:
+            previous = engine.peers.get(peer_id)
+            engine.peers[peer_id] = card.peer_id
+            orphan = previous not in (None, card.peer_id, *engine.peers.values())
+        if orphan:
+            assert previous is not None and engine.agent is not None
+            self._portal.run(engine.agent.remove_peer(previous), timeout, f"removing the old {peer_id!r}")
+
+    def remove_remote_peer(self, peer_id: str) -> None:
+        """Unregister ``peer_id``, fail its in-flight transfers (:class:`PeerLost`, seen in
+        :meth:`poll` as failed) and say goodbye to it.  Unknown ids are ignored.  Blocks until done."""
+        self._portal.check_open()
+        engine = self._engine
+        with self._portal.lock:
+            core_id = engine.peers.pop(peer_id, None)
+            if core_id is None or core_id in engine.peers.values():
+                return
+        assert engine.agent is not None
+        self._portal.run(engine.agent.remove_peer(core_id), self._wait_budget, f"removing {peer_id!r}")
+
+    def write_blocks(self, peer_id: str, local_idxs: list[int], remote_idxs: list[int]) -> int | None:
+        """Submit a write of local blocks into the peer's blocks.
+
+        Waits only while the loop posts it (the agent validates the indices there); the data
+        moves in the background.  Returns a transfer id, unique for this transport's life, to
+        find in :meth:`poll`; or ``None`` if ``peer_id`` is not registered (or its connection is
+        gone) or the indices are invalid (see :attr:`last_error`).  The index lists are copied.
+        Raises :class:`ClosedError` after :meth:`close`.
+        """
+        engine = self._engine
+        local, remote = list(local_idxs), list(remote_idxs)
+        with self._portal.lock:
+            self._portal.check_open()
+            core_id = engine.peers.get(peer_id)
+            joined = core_id is not None and core_id in engine.live
+        if core_id is None or not joined:
+            self._last_error = PeerLost(f"peer {peer_id!r} is not registered or not connected")
+            return None
+        try:
+            outcome = self._portal.call(
+                engine.submit, peer_id, core_id, local, remote, timeout=self._wait_budget, what="posting a write"
+            )
+        except (ClosedError, DeadlineExceeded) as exc:
+            outcome = exc
+        if isinstance(outcome, OmniAsyncError):
+            self._last_error = outcome
+            log.warning("write to %s refused: %s", peer_id, outcome)
+            return None
+        return outcome
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        """Ids settled since the last poll (of ``peer_id`` only, if given).
+
+        Each id is reported once, then leaves the inflight set.  The loop makes progress on its
+        own: polling only collects results.  If nothing settled since the last poll while
+        transfers are in flight, waits for the next settlement, at most
+        :data:`~omni_async.seed.portal.NEWS_WAIT_S` (that wait releases the GIL, so a caller
+        polling in a tight loop does not starve the loop).
+        """
+        engine, portal = self._engine, self._portal
+        with portal.lock:
+            portal.check_open()
+            result = engine.collect(peer_id)
+            if not (result.done or result.failed) and engine.moving(peer_id):
+                portal.wait_for_news()
+                result = engine.collect(peer_id)
+        return result
+
+    def cancel(self, transfer_ids: Iterable[int], mode: CancelMode = "immediate") -> list[int]:
+        """Cancel inflight transfers; unknown or already-polled ids are ignored.
+
+        ``"immediate"``: the ids leave the inflight set now and will never be reported; returns
+        ``[]`` without waiting (the data plane may still read their source blocks briefly).
+        ``"wait"``: waits for the loop (bounded) and returns the ids whose data is still moving;
+        they stay inflight and surface in a later :meth:`poll` (as failed, cancelled) once the
+        data plane let go, after which their source blocks are free.  Ids that had already
+        settled but were not polled are released and not returned.
+        """
+        if mode not in ("immediate", "wait"):
+            raise ValueError(f"cancel mode must be 'immediate' or 'wait', got {mode!r}")
+        engine = self._engine
+        wanted = list(dict.fromkeys(transfer_ids))
+        with self._portal.lock:
+            self._portal.check_open()
+            known = [i for i in wanted if i in engine.inflight]
+            if mode == "immediate":
+                for transfer_id in known:
+                    del engine.inflight[transfer_id]
+                    engine.settled.pop(transfer_id, None)
+        if not known:
+            return []
+        if mode == "immediate":
+            with suppress(ClosedError):  # closed concurrently: closing cancels everything anyway
+                self._portal.post(engine.cancel_now, known)
+            return []
+        return self._portal.call(engine.cancel_wait, known, timeout=self._wait_budget, what="cancel")
+
+    def close(self) -> None:
+        """Fail what is in flight, say goodbye to every peer, stop the loop and join its thread.
+
+        Waits for the agent's own bounded close to finish (its lanes drained or given up, UCX
+        workers released, the control socket closed): afterwards the port is free.  Idempotent.
+        Afterwards every other method raises :class:`ClosedError`.
+        """
+        self._stop()
+
+    @property
+    def _wait_budget(self) -> float:
+        """How long a call waits for the loop's answer."""
+        return max(5.0, self._config.handshake_timeout)
