@@ -1,37 +1,72 @@
 """omni_async: an asyncio-native connector for KV-cache blocks and per-request chunks.
 
 Data moves over UCX (``ucxx``), peers meet over ZeroMQ; every transfer is awaitable.
+
+The names below load on first use: importing a sans-I/O module (``omni_async.wire``,
+``.region``, ``.serde``, ``.handshake``, ``.errors``, ``.config``) loads neither ucxx nor zmq.
 """
 
-from .agent import Agent, PeerEvent
-from .config import AgentConfig, load_config
-from .errors import (
-    AlreadyConnected,
-    BufferFull,
-    ClosedError,
-    ConfigError,
-    DeadlineExceeded,
-    FingerprintMismatch,
-    HandshakeError,
-    HandshakeRejected,
-    HandshakeTimeout,
-    InvalidBlocks,
-    InvalidMessage,
-    LayoutMismatch,
-    OmniAsyncError,
-    PeerLost,
-    ProtocolError,
-    TransferCancelled,
-    TransferError,
-    TransferFailed,
-    TransferRefused,
-    UnknownPeer,
-    VersionMismatch,
-)
-from .region import BlockRegion, config_fingerprint
-from .transport import Transfer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .agent import Agent, PeerEvent
+    from .config import AgentConfig, load_config
+    from .errors import (
+        AlreadyConnected,
+        BufferFull,
+        ClosedError,
+        ConfigError,
+        DeadlineExceeded,
+        FingerprintMismatch,
+        HandshakeError,
+        HandshakeRejected,
+        HandshakeTimeout,
+        InvalidBlocks,
+        InvalidMessage,
+        LayoutMismatch,
+        OmniAsyncError,
+        PeerLost,
+        ProtocolError,
+        TransferCancelled,
+        TransferError,
+        TransferFailed,
+        TransferRefused,
+        UnknownPeer,
+        VersionMismatch,
+    )
+    from .region import BlockRegion, config_fingerprint
+    from .transport import Transfer
 
 __version__ = "0.1.0"
+
+_HOMES: dict[str, str] = {
+    "Agent": ".agent",
+    "PeerEvent": ".agent",
+    "AgentConfig": ".config",
+    "load_config": ".config",
+    "BlockRegion": ".region",
+    "config_fingerprint": ".region",
+    "Transfer": ".transport",
+}
+"""Where each public name that is not an error lives (the errors live in :mod:`.errors`)."""
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first use (PEP 562)."""
+    home = _HOMES.get(name, ".errors" if name in __all__ else None)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "Agent",

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .config import AgentConfig
+from .config import AgentConfig, check_ucx_environment
 from .control import ControlPlane
 from .errors import ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import LocalIdentity, PeerInfo
@@ -72,6 +73,7 @@ class Agent:
             raise ClosedError("agent is closed")
         if self._control is not None:
             return self
+        check_ucx_environment(self.config, os.environ)
         self._transport = UcxTransport(
             self.region, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
         )
@@ -152,15 +154,21 @@ class Agent:
         """
         control, transport = self._started_control(), self.transport
         lane = transport.open_lane()
+        info: PeerInfo | None = None
         try:
             info = await control.connect(address, lane.address)
-            try:
-                await transport.add_peer(info, lane)
-            except ProtocolError as exc:
-                await control.disconnect(info.peer_id, str(exc))
-                raise HandshakeRejected(f"peer {info.peer_id!r} sent unusable agent metadata: {exc}") from None
+            await transport.add_peer(info, lane)
+            if not control.has_peer(info.peer_id, info.nonce):  # lost while its lane was added
+                transport.remove_peer(info.peer_id)
+                raise PeerLost(f"peer {info.peer_id!r} left during the handshake")
         except BaseException as exc:
+            # Roll back both halves, whatever failed (a cancellation included); the far side
+            # gets a Bye so it does not keep a half-joined peer.
             transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
+            if info is not None:
+                control.abandon(info.peer_id, info.nonce, f"handshake abandoned: {type(exc).__name__}")
+            if isinstance(exc, ProtocolError) and info is not None:
+                raise HandshakeRejected(f"peer {info.peer_id!r} sent unusable agent metadata: {exc}") from None
             raise
         self._emit(PeerEvent("joined", info.peer_id))
         return info.peer_id
@@ -221,15 +229,20 @@ class Agent:
 
     # -- callbacks from the control plane and the transport --------------------------------
     async def _accept(self, info: PeerInfo) -> bytes:
+        """Add the peer's lane (a restarted peer's replaces the old one); on any failure or
+        cancellation the new lane is discarded and nothing else changes."""
         lane = self.transport.open_lane()
         try:
-            await self.transport.add_peer(info, lane)
-        except ProtocolError as exc:
-            self.transport.discard_lane(lane, exc)
-            raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
-        except HandshakeRejected as exc:
-            self.transport.discard_lane(lane, exc)
+            # The control plane refused a second handshake of the same process (same nonce):
+            # a known id here is the peer's new incarnation.
+            replaced = await self.transport.add_peer(info, lane, replace=info.peer_id in self.control.peers)
+        except BaseException as exc:
+            self.transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
+            if isinstance(exc, ProtocolError):
+                raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
             raise
+        if replaced:
+            self._emit(PeerEvent("left", info.peer_id, PeerLost(f"peer {info.peer_id!r} restarted")))
         self._emit(PeerEvent("joined", info.peer_id))
         return lane.address
 

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-from .errors import ConfigError
+from .config import check_key
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,6 @@ def public_key(secret_key: str) -> str:
     """The public key that belongs to ``secret_key``."""
     check_key(secret_key, "curve_secret_key")
     return zmq.curve_public(secret_key.encode("ascii")).decode("ascii")
-
-
-def check_key(key: str, what: str) -> None:
-    """Raise :class:`ConfigError` unless ``key`` is a 40-character Z85 CURVE key."""
-    try:
-        valid = len(key) == 40 and len(z85.decode(key.encode("ascii"))) == 32
-    except (ValueError, UnicodeEncodeError, KeyError):
-        valid = False
-    if not valid:
-        raise ConfigError(f"{what} must be a 40-character Z85 CURVE key, got {key[:8]!r}…")
 
 
 def split_address(address: str) -> tuple[str, str | None]:

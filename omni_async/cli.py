@@ -42,6 +42,8 @@ from typing import Any, TextIO, TypeVar
 
 import msgspec
 
+from .config import REDACTED, SECRET_FIELDS
+
 T = TypeVar("T")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -49,8 +51,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 SESSION_KEY = "omni-cli"
 """Key prefix of the session manifests ``send`` puts for ``recv``: ``omni-cli:{sender}:{n}``."""
 DEFAULT_STAGE = "omni-cli"
-_REDACTED = "<redacted>"
-_SECRET_FIELDS = ("curve_secret_key",)
 _BEGIN_MARK = "<!-- BEGIN omni-async config docs -->"
 _END_MARK = "<!-- END omni-async config docs -->"
 
@@ -213,9 +213,9 @@ def _service_config(args: argparse.Namespace, **agent: Any) -> Any:
 def _redact(data: dict[str, Any]) -> dict[str, Any]:
     agent = data.get("agent")
     if isinstance(agent, dict):
-        for name in _SECRET_FIELDS:
+        for name in SECRET_FIELDS:
             if agent.get(name):
-                agent[name] = _REDACTED
+                agent[name] = REDACTED
     return data
 
 
@@ -284,6 +284,8 @@ def explain_config_error(message: str, path: str | os.PathLike[str] | None,
     if not parts:
         return None, None
     field = ".".join(parts)
+    if parts[-1] in SECRET_FIELDS:
+        return field, REDACTED
     env_name = ENV_PREFIX + "__".join(parts).upper()
     if env_name in environ:
         return field, environ[env_name]

@@ -16,7 +16,6 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from .auth import check_key
 from .errors import ConfigError
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -24,9 +23,31 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 ENV_PREFIX = "OMNI_ASYNC_"
+SECRET_FIELDS = frozenset({"curve_secret_key"})
+"""Fields never printed or logged (any part of them): reprs, errors and the CLI redact them."""
+REDACTED = "<redacted>"
 CONNECT_RULE = r"^(all|none|role:[\w.-]+)$"
 """A discovery ``connect`` rule: ``all``, ``none`` or ``role:NAME``."""
 T = TypeVar("T", bound=msgspec.Struct)
+
+
+_Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_VALUE = {char: value for value, char in enumerate(_Z85)}
+
+
+def check_key(key: str, what: str) -> None:
+    """Raise :class:`ConfigError` unless ``key`` is a 40-character Z85 CURVE key (32 bytes).
+
+    The message never shows the value, not even part of it: it may be a secret key.
+    """
+    valid = len(key) == 40 and all(char in _Z85_VALUE for char in key)
+    for start in range(0, len(key), 5) if valid else ():
+        word = 0
+        for char in key[start : start + 5]:
+            word = word * 85 + _Z85_VALUE[char]
+        valid = valid and word < 1 << 32  # five Z85 digits can exceed four bytes
+    if not valid:
+        raise ConfigError(f"{what} must be a 40-character Z85 CURVE key (got {len(key)} characters that are not one)")
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -82,11 +103,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
                 f"heartbeat_interval ({self.heartbeat_interval})"
             )
-        if "cma" in self.ucx_tls.replace("^cma", "").split(","):
-            raise ConfigError(
-                f"ucx_tls={self.ucx_tls!r} enables cma, with which UCX aborts this process when a "
-                "peer dies mid-transfer; use '^cma' (default), 'tcp' or 'posix,sysv,self,tcp'"
-            )
+        check_ucx_tls(self.ucx_tls, "ucx_tls")
 
         if self.curve_secret_key:
             check_key(self.curve_secret_key, "curve_secret_key")
@@ -97,8 +114,73 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         elif self.curve_allowed_keys:
             raise ConfigError("curve_allowed_keys is set but curve_secret_key is not")
 
+    def __repr__(self) -> str:  # never show the secret key, not even in a traceback or a log line
+        return f"AgentConfig({', '.join(f'{name}={value!r}' for name, value in self.__rich_repr__())})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return [(name, REDACTED if name in SECRET_FIELDS and getattr(self, name) else getattr(self, name))
+                for name in self.__struct_fields__]
+
     def resolved_peer_id(self) -> str:
         return self.peer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+# -- UCX_TLS, resolved the way UCX 1.21 does (src/ucs/config/parser.c: allow lists;
+# src/ucp/core/ucp_context.c: ucp_tl_aliases, ucp_is_resource_in_transports_list) ----------------
+_UCX_LIST_MAX = 128
+"""UCS_CONFIG_ARRAY_MAX: UCX silently ignores the entries of a list after the 128th."""
+_CMA_NAMES = frozenset({"cma", "\\cma"})
+"""Names that select cma itself (a leading backslash means "no alias")."""
+_CMA_ALIASES = frozenset({"sm", "shm"})
+"""Aliases whose expansion lists cma (``sm``/``shm``: posix, sysv, xpmem, knem, cma)."""
+
+
+def ucx_tls_selects_cma(value: str) -> bool:
+    """True if UCX 1.21, given ``UCX_TLS=value``, may enable the cma transport.
+
+    Mirrors UCX: a leading ``^`` negates the whole list; ``all`` as the first entry allows
+    everything (even after ``^``); entries are split on ``,`` (empty ones skipped, nothing
+    stripped, case kept) and only the first 128 count.  cma is selected by ``cma``, ``\\cma`` or an
+    alias that lists it (``sm``, ``shm``), and as an auxiliary transport by the same names with
+    ``:aux``; a negated list excludes cma only if it names cma or one of those aliases without
+    ``:aux``.  An empty list is treated as selecting cma (UCX's own default is ``all``).
+    """
+    negate = value.startswith("^")
+    names = [name for name in value[negate:].split(",") if name][:_UCX_LIST_MAX]
+    if not names or names[0] == "all":
+        return True
+    primary = any(name in _CMA_NAMES or name in _CMA_ALIASES for name in names)
+    if negate:
+        return not primary
+    auxiliary = any(name.endswith(":aux") and name[: -len(":aux")] in _CMA_NAMES | _CMA_ALIASES for name in names)
+    return primary or auxiliary
+
+
+def check_ucx_tls(value: str, source: str) -> None:
+    """Raise :class:`ConfigError` naming ``source`` if ``UCX_TLS=value`` can select cma."""
+    if ucx_tls_selects_cma(value):
+        raise ConfigError(
+            f"{source}={value!r} lets UCX select cma (directly, through an alias such as sm/shm/all, "
+            "or by not excluding it), with which UCX aborts this process when a peer dies "
+            "mid-transfer; use '^cma' (default), 'tcp' or 'posix,sysv,self,tcp'"
+        )
+
+
+def check_ucx_environment(config: AgentConfig, environ: Mapping[str, str]) -> None:
+    """Refuse a ``UCX_TLS`` in the environment that differs from ``config.ucx_tls``.
+
+    The agent's UCX contexts take their transports from the config field, which would
+    silently override the variable; a mismatch is an error that names the field instead.
+    """
+    value = environ.get("UCX_TLS")
+    if value is None or value == config.ucx_tls:
+        return
+    check_ucx_tls(value, "UCX_TLS in the environment (config field: ucx_tls)")
+    raise ConfigError(
+        f"UCX_TLS={value!r} is set in the environment but the agent's transports come from the "
+        f"config field ucx_tls={config.ucx_tls!r}: set ucx_tls (OMNI_ASYNC_UCX_TLS) to the value "
+        "you want and unset UCX_TLS"
+    )
 
 
 class RegionConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -21,7 +21,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -62,6 +63,7 @@ it said goodbye (it is alive and closing), False when it died or broke the proto
 
 _HEARTBEAT = encode_control(Heartbeat())
 _LINGER_MS = 200  # time for a goodbye to leave on close
+_MAX_OWNERS = 4096  # peer id -> CURVE key bindings kept (those of joined peers are never evicted)
 
 
 @dataclass(eq=False)
@@ -107,7 +109,10 @@ class ControlPlane:
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._logged_bad: set[bytes] = set()
-        self._admitting: set[str] = set()
+        self._handshakes: dict[bytes, asyncio.Task[None]] = {}  # hellos being handled, by ident
+        self._admitting: dict[str, asyncio.Task[None]] = {}  # peer id -> the handshake admitting it
+        self._queued: dict[str, asyncio.Task[None]] = {}  # peer id -> one handshake waiting for it
+        self._owners: dict[str, str] = {}  # peer id -> the CURVE public key that first used it
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -184,6 +189,7 @@ class ControlPlane:
         if self._public_key is not None and server_key is None:
             raise HandshakeRejected(f"CURVE is on: {address!r} must end in ?key=<the peer's public key>")
         dealer = self._socket(zmq.DEALER)
+        hello_sent = False
         try:
             if self._public_key is not None:
                 dealer.curve_secretkey = self.config.curve_secret_key.encode("ascii")
@@ -191,6 +197,7 @@ class ControlPlane:
                 dealer.curve_serverkey = server_key.encode("ascii")  # type: ignore[union-attr]
             dealer.connect(endpoint)
             hello = encode_control(self.identity.hello(agent_metadata))
+            hello_sent = True
             try:  # the send too: a DEALER whose connection was refused (CURVE) blocks on send
                 reply = await asyncio.wait_for(self._exchange(dealer, hello), self.config.handshake_timeout)
             except TimeoutError:
@@ -199,19 +206,21 @@ class ControlPlane:
                 ) from None
             msg = decode_control(reply)
             if isinstance(msg, Reject):
+                hello_sent = False  # refused: the far side keeps nothing
                 raise rejection_error(msg)
             if not isinstance(msg, Welcome):
                 raise ProtocolError(f"expected a welcome from {address}, got {type(msg).__name__}")
-            try:
-                check_peer(self.identity, msg)
-                if msg.peer_id in self._peers or msg.peer_id in self._admitting:
-                    raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
-            except HandshakeRejected as exc:
-                await dealer.send(encode_control(Bye(reason=str(exc))))
-                raise
-        except BaseException:
+            check_peer(self.identity, msg)
+            if msg.peer_id in self._peers or msg.peer_id in self._admitting:
+                raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
+            self._check_owner(msg.peer_id, server_key)
+        except BaseException as exc:
+            if hello_sent:  # the far side may have admitted us: tell it we gave up
+                _send_now(dealer, encode_control(Bye(reason=f"handshake abandoned: {_describe(exc)}")))
             dealer.close(linger=_LINGER_MS)
             raise
+        if server_key is not None:
+            self._bind_owner(msg.peer_id, server_key)
         peer = _Peer(PeerInfo.from_hello(msg), dealer=dealer)
         self._peers[msg.peer_id] = peer
         peer.tasks.append(self._spawn(self._dealer_loop(peer, dealer), f"omni-control-dealer-{msg.peer_id}"))
@@ -236,22 +245,40 @@ class ControlPlane:
         await self._forget(peer_id, goodbye=reason)
         return True
 
+    def abandon(self, peer_id: str, nonce: int, reason: str) -> None:
+        """Roll back a join whose other half failed: say goodbye and forget ``peer_id`` at once
+        (no await, so it also runs in a cancelled task), if it is still the peer of ``nonce``."""
+        peer = self._peers.get(peer_id)
+        if peer is not None and peer.info.nonce == nonce:
+            self._send_nowait(peer, encode_control(Bye(reason=reason)))
+            self._drop(peer_id)
+
+    def has_peer(self, peer_id: str, nonce: int) -> bool:
+        """True while ``peer_id`` is joined through the handshake that carried ``nonce``."""
+        peer = self._peers.get(peer_id)
+        return peer is not None and peer.info.nonce == nonce
+
     # -- tasks ----------------------------------------------------------------------------------
     async def _router_loop(self, router: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await router.recv_multipart()
+            frames = await router.recv_multipart(copy=False)
+            ident = frames[0].bytes
             if len(frames) != 2:
-                self._bad_input(frames[0], ProtocolError(f"expected 2 frames, got {len(frames)}"))
+                self._bad_input(ident, ProtocolError(f"expected 2 frames, got {len(frames)}"))
                 continue
-            ident, payload = frames
             try:
-                msg = decode_control(payload)
+                msg = decode_control(frames[1].bytes)
             except ProtocolError as exc:
                 self._bad_input(ident, exc)
                 continue
-            await self._on_router_message(router, ident, msg)
+            # With CURVE on, ZAP (CurveGate) set the connection's User-Id to the client's key.
+            user_id = frames[1].get("User-Id") if self._gate is not None else None
+            key = user_id if isinstance(user_id, str) else None
+            await self._on_router_message(router, ident, msg, key)
 
-    async def _on_router_message(self, router: zmq.asyncio.Socket, ident: bytes, msg: ControlMessage) -> None:
+    async def _on_router_message(
+        self, router: zmq.asyncio.Socket, ident: bytes, msg: ControlMessage, key: str | None = None
+    ) -> None:
         peer_id = self._by_ident.get(ident)
         if isinstance(msg, Heartbeat):
             if peer_id is not None:
@@ -259,13 +286,19 @@ class ControlPlane:
         elif isinstance(msg, Bye):
             if peer_id is not None:
                 self._lose(peer_id, PeerLost(f"peer {peer_id!r} left: {msg.reason}"), orderly=True)
+            elif ident in self._handshakes:  # the dialler gave up: roll its handshake back
+                self._handshakes[ident].cancel()
         elif isinstance(msg, Welcome | Reject):
             self._bad_input(ident, ProtocolError(f"unexpected {type(msg).__name__} on the listener"))
         elif isinstance(msg, Hello):
             # Admission awaits the owner (address vetting); the loop keeps reading meanwhile.
             # Handshakes in progress count against max_peers, so a flood cannot overshoot it.
-            busy = self.is_admitting(msg.peer_id)
-            full = msg.peer_id not in self._peers and len(self._peers) + len(self._admitting) >= self.config.max_peers
+            # One more hello for a peer being admitted waits for that handshake (which may be an
+            # abandoned one whose Bye is on its way); any further one is refused.
+            running = self._admitting.get(msg.peer_id)
+            busy = msg.peer_id in self._queued
+            full = (running is None and msg.peer_id not in self._peers
+                    and len(self._peers) + len(self._admitting) >= self.config.max_peers)
             if busy or full:
                 self.stats.rejected += 1
                 error = (
@@ -276,38 +309,77 @@ class ControlPlane:
                 log.warning("rejected peer %r: %s", msg.peer_id, error)
                 await router.send_multipart([ident, encode_control(reject_for(error))])
                 return
-            self._admitting.add(msg.peer_id)
-            self._spawn(self._handshake(router, ident, msg), f"omni-control-handshake-{msg.peer_id}")
+            task = self._spawn(
+                self._handshake(router, ident, msg, key, running), f"omni-control-handshake-{msg.peer_id}"
+            )
+            self._handshakes[ident] = task
+            (self._admitting if running is None else self._queued)[msg.peer_id] = task
+            # Not a ``finally``: a task cancelled before it started never runs its body.
+            task.add_done_callback(partial(self._handshake_done, ident, msg.peer_id))
 
-    async def _handshake(self, router: zmq.asyncio.Socket, ident: bytes, msg: Hello) -> None:
-        try:
-            reply = await self._admit(ident, msg)
-        finally:
-            self._admitting.discard(msg.peer_id)
+    async def _handshake(
+        self, router: zmq.asyncio.Socket, ident: bytes, msg: Hello, key: str | None, after: asyncio.Task[None] | None
+    ) -> None:
+        """Admit ``msg`` (once the handshake ``after``, for the same peer id, ended) and answer
+        it.  Cancelled (the dialler said Bye, or closing) while the owner's ``accept`` runs, the
+        owner rolls its half back and nothing is admitted."""
+        if after is not None:
+            await asyncio.wait([after])
+            this = self._queued.pop(msg.peer_id)
+            self._admitting[msg.peer_id] = this
+        reply = await self._admit(ident, msg, key)
+        self._handshake_done(ident, msg.peer_id)
         await router.send_multipart([ident, encode_control(reply)])
 
-    async def _admit(self, ident: bytes, msg: Hello) -> Welcome | Reject:
+    def _handshake_done(self, ident: bytes, peer_id: str, _task: object = None) -> None:
+        task = self._handshakes.pop(ident, None)
+        for table in (self._admitting, self._queued):
+            if task is not None and table.get(peer_id) is task:
+                del table[peer_id]
+
+    async def _admit(self, ident: bytes, msg: Hello, key: str | None) -> Welcome | Reject:
+        """Validate ``msg`` completely, then admit it; a known peer of the same id is replaced
+        only once the whole handshake (the owner's ``accept`` included) succeeded."""
         try:
             if ident in self._by_ident:
                 raise HandshakeRejected("this connection already completed a handshake")
-            known = self._peers.get(msg.peer_id)
-            if known is not None:
-                if known.info.nonce == msg.nonce:
-                    raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
-                self._lose(msg.peer_id, PeerLost(f"peer {msg.peer_id!r} restarted"))
             check_peer(self.identity, msg)
+            self._check_owner(msg.peer_id, key)
+            known = self._peers.get(msg.peer_id)
+            if known is not None and known.info.nonce == msg.nonce:
+                raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
             info = PeerInfo.from_hello(msg)
             metadata = await self._accept(info)
             if self._closed:
                 raise HandshakeRejected("closing")
-        except HandshakeRejected as exc:
+        except OmniAsyncError as exc:
+            refusal = exc if isinstance(exc, HandshakeRejected) else HandshakeRejected(str(exc))
             self.stats.rejected += 1
-            log.warning("rejected peer %r: %s", msg.peer_id, exc)
-            return reject_for(exc)
+            log.warning("rejected peer %r: %s", msg.peer_id, refusal)
+            return reject_for(refusal)
+        # The owner took the new connection in ``accept`` (replacing its side of a restarted
+        # peer); forget the old control connection without reporting a loss.
+        self._drop(info.peer_id)
         self._peers[info.peer_id] = _Peer(info, ident=ident)
         self._by_ident[ident] = info.peer_id
+        if key is not None:
+            self._bind_owner(info.peer_id, key)
         log.info("accepted peer %s", info.peer_id)
         return self.identity.welcome(metadata)
+
+    def _check_owner(self, peer_id: str, key: str | None) -> None:
+        """With CURVE on, a peer id belongs to the public key that first joined with it."""
+        owner = self._owners.get(peer_id)
+        if key is not None and owner is not None and owner != key:
+            raise HandshakeRejected(f"peer id {peer_id!r} belongs to another CURVE key")
+
+    def _bind_owner(self, peer_id: str, key: str) -> None:
+        self._owners.pop(peer_id, None)
+        self._owners[peer_id] = key
+        if len(self._owners) > _MAX_OWNERS:  # forget the oldest binding of a peer that is gone
+            stale = next((pid for pid in self._owners if pid not in self._peers), None)
+            if stale is not None:
+                del self._owners[stale]
 
     async def _dealer_loop(self, peer: _Peer, dealer: zmq.asyncio.Socket) -> None:
         peer_id = peer.info.peer_id
@@ -367,13 +439,17 @@ class ControlPlane:
 
     async def _send(self, peer: _Peer, payload: bytes) -> None:
         """Send without ever blocking: a message a dead or slow peer cannot take is dropped."""
-        try:
-            if peer.dealer is not None:
-                await peer.dealer.send(payload, zmq.NOBLOCK)
-            elif peer.ident is not None and self._router is not None:
-                await self._router.send_multipart([peer.ident, payload], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer may be gone already; liveness handles it
-            log.debug("message to %s not sent: %s", peer.info.peer_id, exc)
+        self._send_nowait(peer, payload)
+
+    def _send_nowait(self, peer: _Peer, payload: bytes) -> None:
+        if peer.dealer is not None:
+            sent = _send_now(peer.dealer, payload)
+        elif peer.ident is not None and self._router is not None:
+            sent = _send_now(self._router, payload, peer.ident)
+        else:
+            sent = False
+        if not sent:  # the peer may be gone already; liveness handles it
+            log.debug("message to %s not sent", peer.info.peer_id)
 
     def _drop(self, peer_id: str) -> _Peer | None:
         peer = self._peers.pop(peer_id, None)
@@ -420,6 +496,28 @@ class ControlPlane:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("control task %s failed", task.get_name(), exc_info=task.exception())
+
+
+def _send_now(sock: zmq.asyncio.Socket, payload: bytes, ident: bytes | None = None) -> bool:
+    """Send without awaiting (so it also works from a cancelled task); a message the socket
+    cannot take now is dropped.  False if it was refused at once.
+
+    Through the asyncio socket, not a shadow: its wrapper must see every operation, or a
+    pending receive can miss ZeroMQ's edge-triggered wake-up.
+    """
+    sending = sock.send(payload, zmq.NOBLOCK) if ident is None else sock.send_multipart([ident, payload], zmq.NOBLOCK)
+    sent = cast("asyncio.Future[Any]", sending)  # zmq.asyncio returns a Future, typed as an Awaitable
+    sent.add_done_callback(_retrieve)
+    return not (sent.done() and _retrieve(sent) is not None)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> BaseException | None:
+    """The future's exception, marked as retrieved (a dropped send is not an error)."""
+    return None if future.cancelled() else future.exception()
+
+
+def _describe(exc: BaseException) -> str:
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else str(exc) or type(exc).__name__
 
 
 __all__ = ["ControlPlane", "ControlStats", "HandshakeError"]

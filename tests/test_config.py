@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from omni_async import ConfigError
-from omni_async.config import AgentConfig, ServiceConfig, load_config
+from omni_async import Agent, BlockRegion, ConfigError
+from omni_async.config import AgentConfig, ServiceConfig, check_ucx_environment, load_config, ucx_tls_selects_cma
 
 
 def test_defaults_work_on_one_machine():
@@ -66,3 +66,41 @@ def test_bad_files(tmp_path):
     broken.write_text("{")
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config(path=broken, environ={})
+
+
+@pytest.mark.parametrize(
+    "value,selects",
+    [  # as UCX 1.21 resolves UCX_TLS (ucp_tl_aliases, allow-list parsing)
+        ("^cma", False), ("tcp", False), ("posix,sysv,self,tcp", False), ("mm,tcp", False),
+        ("^sm", False), ("^shm,tcp", False), ("^\\cma", False), ("tcp,all", False),
+        ("cma", True), ("\\cma", True), ("sm", True), ("shm", True), ("all", True), ("^all", True),
+        ("cma:aux", True), ("sm:aux", True), ("tcp,,shm", True),
+        ("^tcp", True), ("^mm", True), ("^", True), ("", True), ("^cma:aux", True), ("^\\sm", True),
+        ("^ cma", True), ("^CMA", True),  # UCX neither strips nor folds case
+        ("^" + "tcp," * 128 + "cma", True),  # UCX reads the first 128 entries only
+    ],
+)
+def test_ucx_tls_resolution(value, selects):
+    assert ucx_tls_selects_cma(value) is selects
+    if selects:
+        with pytest.raises(ConfigError, match=r"ucx_tls.*cma"):
+            AgentConfig(ucx_tls=value)
+    else:
+        assert AgentConfig(ucx_tls=value).ucx_tls == value
+
+
+def test_ucx_tls_in_the_environment_is_checked():
+    check_ucx_environment(AgentConfig(), {"UCX_TLS": "^cma"})  # the same value: fine
+    check_ucx_environment(AgentConfig(ucx_tls="tcp"), {})
+    with pytest.raises(ConfigError, match="cma"):
+        check_ucx_environment(AgentConfig(), {"UCX_TLS": "sm"})
+    with pytest.raises(ConfigError, match="ucx_tls"):
+        check_ucx_environment(AgentConfig(), {"UCX_TLS": "tcp"})
+
+
+async def test_agent_refuses_to_start_under_a_different_ucx_tls(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "shm,tcp")
+    agent = Agent(BlockRegion.allocate(4, 4096), AgentConfig())
+    with pytest.raises(ConfigError, match="ucx_tls"):
+        await agent.start()
+    await agent.close()

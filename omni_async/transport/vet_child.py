@@ -1,41 +1,92 @@
-"""The address-vetting child process (see :mod:`omni_async.transport.vetting`).
+"""The address-vetting processes (see :mod:`omni_async.transport.vetting`).
 
-``python -m omni_async.transport.vet_child UCX_TLS UCX_NET_DEVICES``: answers one byte on stdout when ready,
-then, for every length-prefixed worker address read on stdin, creates (and drops) a UCX
-endpoint from it and answers ``\\x01`` (usable) or ``\\x00`` (UCX refused it).  If UCX aborts
-on the address, the process dies, which is the answer the parent was looking for.
+``python -m omni_async.transport.vet_child UCX_TLS UCX_NET_DEVICES`` starts a *zygote*: it
+imports ucxx once (the slow part, about a second), answers one byte on stdout when ready, then
+reads socket descriptors from its stdin (a Unix socket, ``SCM_RIGHTS``).  For each one it forks a
+*server* that owns that socket: the server creates its UCX context and worker (tens of
+milliseconds), answers ``\\x01``, then, for every length-prefixed worker address it reads,
+creates (and drops) a UCX endpoint from it and answers ``\\x01`` (usable) or ``\\x00`` (UCX
+refused it).  If UCX aborts on an address, only that server dies, which is the answer the parent
+was looking for; the parent asks the zygote for a new server, without paying the import again.
+A server hung inside UCX kills itself (``SIGALRM``) after :data:`HANG_LIMIT` seconds.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import struct
 import sys
+from typing import Final
+
+LENGTH: Final = struct.Struct("<I")
+OK: Final = b"\x01"
+BAD: Final = b"\x00"
+HANG_LIMIT: Final = 10
+"""Seconds one endpoint creation may take before the server ends itself."""
 
 
-def main(tls: str, net_devices: str) -> None:
-    # Replies go to a private copy of stdout; UCX may print to fd 1 and must not corrupt them.
-    replies = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def serve(sock: socket.socket, tls: str, net_devices: str) -> None:
+    """Vet the addresses sent on ``sock`` until it is closed."""
     import ucxx._lib.libucxx as ucx_api
 
     from .lane import new_context
 
     context = new_context(tls, net_devices)
     worker = ucx_api.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
-    length = struct.Struct("<I")
-    requests = sys.stdin.buffer
-    replies.write(b"\x01")
-    while header := requests.read(length.size):
-        address = requests.read(length.unpack(header)[0])
+    sock.sendall(OK)
+    while header := _read_exactly(sock, LENGTH.size):
+        address = _read_exactly(sock, LENGTH.unpack(header)[0])
+        signal.alarm(HANG_LIMIT)
         try:
             remote = ucx_api.UCXAddress.create_from_buffer(address)
             endpoint = worker.create_endpoint_from_worker_address(remote, False)
             endpoint.close()  # non-blocking: never wait on the peer from here
-            verdict = b"\x01"
+            verdict = OK
         except Exception:
-            verdict = b"\x00"
-        replies.write(verdict)
+            verdict = BAD
+        signal.alarm(0)
+        sock.sendall(verdict)
+
+
+def main(tls: str, net_devices: str) -> None:
+    # UCX may print to fd 1: send it to stderr; the ready byte goes to a private copy of stdout.
+    ready = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    import ucxx._lib.libucxx  # noqa: F401  (the slow import, paid once for every server)
+
+    from . import lane  # noqa: F401
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # servers are reaped by the kernel
+    requests = socket.socket(fileno=os.dup(0))
+    ready.write(OK)
+    ready.close()
+    while True:
+        try:
+            _, fds, _, _ = socket.recv_fds(requests, 1, 1)
+        except OSError:
+            return
+        if not fds:  # the parent closed its end
+            return
+        if os.fork() == 0:
+            requests.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                serve(socket.socket(fileno=fds[0]), tls, net_devices)
+            finally:
+                os._exit(0)
+        os.close(fds[0])
 
 
 if __name__ == "__main__":

@@ -1,14 +1,26 @@
-"""Vetting of untrusted UCX worker addresses in a disposable child process.
+"""Vetting of untrusted UCX worker addresses in disposable child processes.
 
 UCX trusts the worker addresses it is given: a malformed one can fail an assertion inside
 ``ucp_ep_create`` and abort the whole process (measured: a wrong version byte, some
-truncations of a real address).  A peer's address arrives over the network, so before a lane
-connects to it, :class:`AddressVetter` has a child process create an endpoint from it first.
-If the child survives the address is used; if it dies the address is refused with
-:class:`~omni_async.errors.ProtocolError` and a fresh child is started for the next one.
+truncations and byte changes of a real address).  A peer's address arrives over the network,
+so before a lane connects to it, :class:`AddressVetter` has a child process create an endpoint
+from it first.  If the child survives the address is used; if it dies the address is refused
+with :class:`~omni_async.errors.ProtocolError`.
 
-One child per process (per UCX setting) serves every agent: it is started on first use
-(about half a second) and stopped at exit.  The child is :mod:`omni_async.transport.vet_child`.
+Bounded, so that a flood of crash-inducing addresses cannot hold up legitimate handshakes:
+
+* a crash is cheap: servers are forked from a zygote that imported ucxx once (see
+  :mod:`.vet_child`), so replacing a dead one costs tens of milliseconds, not a Python start;
+* at most ``workers`` checks run at once (one server each) and at most ``max_pending`` wait;
+  beyond that a check is refused at once;
+* every check has a deadline: one that could not finish in time is refused;
+* waiting checks are served newest first: under overload the ones whose handshake may still
+  succeed go first, and old ones expire instead of delaying everything behind them.
+
+No thread is involved: a check talks to its server through the calling loop's socket methods.
+
+One vetter per process (per UCX setting) serves every agent: it is started on first use and
+stopped at exit.
 """
 
 from __future__ import annotations
@@ -16,92 +28,207 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import struct
+import os
+import select
+import socket
 import subprocess
 import sys
 import threading
-from typing import IO, Final
+from typing import Final
 
 from ..errors import ProtocolError
+from .vet_child import BAD, LENGTH, OK
 
 log = logging.getLogger(__name__)
 
-_LEN: Final = struct.Struct("<I")
-_OK: Final = b"\x01"  # keep in step with vet_child
-_BAD: Final = b"\x00"
+DEADLINE: Final = 2.0
+"""Default seconds a check may take, waiting included."""
+WORKERS: Final = 2
+"""Checks that run at once (each on its own server process)."""
+MAX_PENDING: Final = 256
+"""Checks that may wait; more are refused at once."""
+_START_TIMEOUT: Final = 30.0  # seconds the zygote may take to import ucxx
+
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
 class AddressVetter:
-    """Checks addresses in a child process; safe to share between loops and threads.
+    """Checks addresses in child processes; safe to share between loops and threads.
 
-    The exchange with the child is a few blocking pipe operations, run in the loop's default
-    executor so the loop never waits on them.
+    Every exchange with a server runs on the checking loop (non-blocking sockets); only
+    starting the zygote blocks, in the loop's default executor.
     """
 
-    def __init__(self, tls: str, net_devices: str = "") -> None:
+    def __init__(self, tls: str, net_devices: str = "", *, workers: int = WORKERS,
+                 max_pending: int = MAX_PENDING) -> None:
         self._ucx_args = [tls, net_devices]
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lock = threading.Lock()
+        self._workers = workers
+        self._max_pending = max_pending
+        self._lock = threading.Lock()  # guards everything below
+        self._running = 0
+        self._waiting: list[_Waiter] = []  # a stack: newest first
+        self._idle: list[socket.socket] = []  # servers ready for a check
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._zygote_sock: socket.socket | None = None
+        self._zygote_start = threading.RLock()  # starting, stopping or writing to the zygote
         self.refused = 0
 
-    async def check(self, address: bytes) -> None:
-        """Return if a UCX endpoint can be created from ``address``; else raise ProtocolError."""
-        ok = await asyncio.get_running_loop().run_in_executor(None, self._check_blocking, address)
-        if not ok:
-            self.refused += 1
-            raise ProtocolError(f"a {len(address)}-byte agent metadata is not a usable UCX worker address")
+    async def check(self, address: bytes, timeout: float = DEADLINE) -> None:
+        """Return if a UCX endpoint can be created from ``address``; else raise ProtocolError
+        (unusable, not vetted within ``timeout`` seconds, or too many checks waiting)."""
+        verdict: bool | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                await self._acquire()
+                try:
+                    verdict = await self._vet(address)
+                finally:
+                    self._release()
+        except TimeoutError:
+            log.warning("vetting a %d-byte peer address did not finish within %ss", len(address), timeout)
+        if not verdict:
+            with self._lock:
+                self.refused += 1
+            why = "is not a usable UCX worker address" if verdict is False else f"was not vetted within {timeout}s"
+            raise ProtocolError(f"a {len(address)}-byte agent metadata {why}")
 
     def warm_up(self) -> None:
-        """Start the child if it is not running (blocking; run it in an executor)."""
-        with self._lock:
-            try:
-                self._pipes()
-            except OSError as exc:  # the first check will retry and report
-                log.warning("address vetting child did not start: %r", exc)
-
-    def _check_blocking(self, address: bytes) -> bool:
-        with self._lock:
-            try:
-                stdin, stdout = self._pipes()
-                stdin.write(_LEN.pack(len(address)) + address)
-                stdin.flush()
-                verdict = stdout.read(1)
-            except OSError as exc:
-                verdict = b""
-                log.warning("address vetting child failed: %r", exc)
-            if verdict == _OK:
-                return True
-            if verdict != _BAD:  # the child died on this address
-                log.warning("a %d-byte peer address crashed the vetting child", len(address))
-                self._stop()
-            return False
-
-    def _pipes(self) -> tuple[IO[bytes], IO[bytes]]:
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "omni_async.transport.vet_child", *self._ucx_args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            )
-            assert self._proc.stdout is not None
-            if self._proc.stdout.read(1) != _OK:
-                self._stop()
-                raise OSError("address vetting child failed to start")
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        return self._proc.stdin, self._proc.stdout
-
-    def _stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
+        """Start the zygote if it is not running (blocking; run it in an executor)."""
+        try:
+            self._zygote_socket()
+        except OSError as exc:  # the first check will retry and report
+            log.warning("address vetting child did not start: %r", exc)
 
     def close(self) -> None:
-        """Stop the child (a later check starts a new one).  Idempotent."""
+        """Stop the zygote and the idle servers (busy ones stop after their check).  Idempotent;
+        a later check starts them again."""
         with self._lock:
-            self._stop()
+            idle, self._idle = self._idle, []
+        for server in idle:
+            server.close()  # the server reads EOF and exits
+        with self._zygote_start:
+            self._stop_zygote()
+
+    # -- the concurrency bound -------------------------------------------------------------------
+    async def _acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._running < self._workers:
+                self._running += 1
+                return
+            if len(self._waiting) >= self._max_pending:
+                self.refused += 1
+                raise ProtocolError(f"address vetting is saturated ({self._max_pending} checks waiting)")
+            granted: asyncio.Future[None] = loop.create_future()
+            self._waiting.append((loop, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release()  # the slot came just as this check gave up: hand it on
+            raise
+
+    def _release(self) -> None:
+        """Hand this slot to the newest waiting check, or free it."""
+        with self._lock:
+            while self._waiting:
+                loop, granted = self._waiting.pop()
+                try:
+                    loop.call_soon_threadsafe(self._grant, granted)
+                except RuntimeError:  # that loop is closed
+                    continue
+                return
+            self._running -= 1
+
+    def _grant(self, granted: asyncio.Future[None]) -> None:
+        if granted.done():  # it gave up meanwhile
+            self._release()
+        else:
+            granted.set_result(None)
+
+    # -- one check -------------------------------------------------------------------------------
+    async def _vet(self, address: bytes) -> bool:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            server = self._idle.pop() if self._idle else None
+        try:
+            if server is None:
+                server = await self._new_server()
+            await loop.sock_sendall(server, LENGTH.pack(len(address)) + address)
+            answer = await loop.sock_recv(server, 1)
+        except OSError as exc:
+            log.warning("address vetting child failed: %r", exc)
+            answer = b""
+        except BaseException:  # timed out or cancelled mid-exchange: the server's state is unknown
+            if server is not None:
+                server.close()
+            raise
+        if answer in (OK, BAD):
+            with self._lock:
+                self._idle.append(server)  # type: ignore[arg-type]
+            return answer == OK
+        if server is not None:
+            server.close()
+        log.warning("a %d-byte peer address crashed the vetting child", len(address))
+        return False
+
+    async def _new_server(self) -> socket.socket:
+        """A fresh server forked by the zygote, ready to vet."""
+        loop = asyncio.get_running_loop()
+        if not self._zygote_alive():
+            await loop.run_in_executor(None, self._zygote_socket)
+        ours, theirs = socket.socketpair()
+        try:
+            with self._zygote_start:
+                socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
+            ours.setblocking(False)
+            if await loop.sock_recv(ours, 1) != OK:
+                raise OSError("address vetting server failed to start")
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        return ours
+
+    # -- the zygote ------------------------------------------------------------------------------
+    def _zygote_alive(self) -> bool:
+        return self._zygote is not None and self._zygote.poll() is None and self._zygote_sock is not None
+
+    def _zygote_socket(self) -> socket.socket:
+        """The socket to the zygote, started (blocking, up to ``_START_TIMEOUT``) if needed."""
+        with self._zygote_start:
+            if self._zygote_alive():
+                assert self._zygote_sock is not None
+                return self._zygote_sock
+            self._stop_zygote()
+            ours, theirs = socket.socketpair()
+            env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+            try:
+                zygote = subprocess.Popen(
+                    [sys.executable, "-m", "omni_async.transport.vet_child", *self._ucx_args],
+                    stdin=theirs.fileno(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                )
+            finally:
+                theirs.close()
+            self._zygote, self._zygote_sock = zygote, ours
+            assert zygote.stdout is not None
+            started, _, _ = select.select([zygote.stdout], [], [], _START_TIMEOUT)
+            if not started or zygote.stdout.read(1) != OK:
+                self._stop_zygote()
+                raise OSError("address vetting child failed to start")
+            return ours
+
+    def _stop_zygote(self) -> None:
+        zygote, sock = self._zygote, self._zygote_sock
+        self._zygote = self._zygote_sock = None
+        if sock is not None:
+            sock.close()  # the zygote reads EOF and exits
+        if zygote is not None:
+            zygote.kill()
+            zygote.wait()
+            if zygote.stdout is not None:
+                zygote.stdout.close()
 
 
 _vetters: dict[tuple[str, str], AddressVetter] = {}
@@ -109,7 +236,7 @@ _vetters_lock = threading.Lock()
 
 
 def shared_vetter(tls: str, net_devices: str = "") -> AddressVetter:
-    """The process-wide vetter for this UCX setting; its child is stopped when the process exits."""
+    """The process-wide vetter for this UCX setting; its children are stopped when the process exits."""
     with _vetters_lock:
         vetter = _vetters.get((tls, net_devices))
         if vetter is None:

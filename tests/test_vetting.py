@@ -1,0 +1,56 @@
+"""Address vetting is bounded: a flood of crash-inducing addresses (each kills a real vetting
+process) neither delays a legitimate handshake past its timeout nor waits forever."""
+
+import asyncio
+import time
+
+import pytest
+
+from omni_async import ProtocolError
+from omni_async.transport.vetting import AddressVetter, shared_vetter
+
+from .test_hostile import real_address
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def crashing(address: bytes) -> bytes:
+    """A worker address with a wrong version byte: UCX aborts the process that unpacks it
+    (the lane's structural check refuses it before vetting; here it goes to the vetter directly,
+    as an address that passes the structural check but crashes UCX would)."""
+    return bytes([address[0] ^ 0xFF]) + address[1:]
+
+
+async def test_flood_of_crashing_addresses_does_not_delay_a_handshake(make_agent):
+    calm = {"handshake_timeout": 3.0, "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0}
+    a = await make_agent(peer_id="a", **calm)
+    b = await make_agent(peer_id="b", **calm)
+    vetter = shared_vetter(b.config.ucx_tls, b.config.ucx_net_devices)  # the one both agents use
+    bad = crashing(real_address())
+    flood = [asyncio.ensure_future(vetter.check(bad)) for _ in range(40)]
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    assert await a.connect(b.control_address) == "b"  # both sides vet under the flood
+    assert time.monotonic() - started < 3.0
+    results = await asyncio.wait_for(asyncio.gather(*flood, return_exceptions=True), 30)
+    assert all(isinstance(r, ProtocolError) for r in results), results
+    a.region.array[0] = 5
+    await asyncio.wait_for(a.write_blocks("b", [0], [1]), 5)
+    assert (b.region.array[1] == 5).all()
+
+
+async def test_checks_have_a_deadline_and_a_bound():
+    vetter = AddressVetter("^cma", "lo", workers=1, max_pending=4)
+    try:
+        good, bad = real_address(), crashing(real_address())
+        await vetter.check(good, timeout=30)  # starts the zygote
+        # More waiting than allowed: refused at once; the rest settle within their deadline.
+        started = time.monotonic()
+        checks = [asyncio.ensure_future(vetter.check(bad, timeout=1.0)) for _ in range(12)]
+        results = await asyncio.wait_for(asyncio.gather(*checks, return_exceptions=True), 10)
+        assert time.monotonic() - started < 3.0
+        assert all(isinstance(r, ProtocolError) for r in results)
+        assert sum("saturated" in str(r) for r in results) >= 12 - 4 - 1
+        await vetter.check(good, timeout=5)  # and a good address still passes
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, vetter.close)
