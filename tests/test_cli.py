@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from omni_async import cli
+from omni_async.cli import checkout
 from omni_async.auth import check_key, public_key
 
 pytestmark = pytest.mark.timeout(60)
@@ -224,7 +225,7 @@ def test_bench_delegates_to_the_checkout() -> None:
 
 
 def test_demo_and_bench_without_a_checkout_say_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cli, "_checkout_with", lambda _relative: None)
+    monkeypatch.setattr(checkout, "find_checkout", lambda _relative: None)
     assert cli.main(["demo"]) == cli.EXIT_USAGE
     assert "examples/demo.py" in capsys.readouterr().err
     assert cli.main(["bench", "blocks"]) == cli.EXIT_USAGE
