@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from omni_async import cli
-from omni_async.cli import checkout
 from omni_async.auth import check_key, public_key
+from omni_async.cli import checkout
 
 pytestmark = pytest.mark.timeout(60)
 

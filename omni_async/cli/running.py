@@ -49,23 +49,6 @@ async def until_signalled(work: Coroutine[Any, Any, T]) -> tuple[T | None, bool]
                 loop.remove_signal_handler(sig)
 
 
-async def all_or_first_error(coros: list[Coroutine[Any, Any, Any]]) -> None:
-    """Run ``coros`` concurrently; on the first failure cancel the rest, then raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if not tasks:
-        return
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in tasks:
-        error = None if task.cancelled() else task.exception()
-        if error is not None:
-            raise error
-
-
 def run_async(work: Coroutine[Any, Any, int]) -> int:
     """Run a command coroutine on omni_async's loop (uvloop if installed); map interrupts to 130."""
     try:

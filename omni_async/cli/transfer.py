@@ -14,8 +14,9 @@ from typing import Any
 
 import msgspec
 
+from ..workload import all_or_first_error
 from .output import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Progress, emit_json, err, summary_table
-from .running import all_or_first_error, run_async
+from .running import run_async
 
 SESSION_KEY = "omni-cli"
 """Key prefix of the session manifests ``send`` puts for ``recv``: ``omni-cli:{sender}:{n}``."""
