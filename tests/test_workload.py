@@ -28,21 +28,23 @@ def test_a_plan_round_trips_through_the_wire_and_names_its_requests() -> None:
 
 @pytest.mark.parametrize("fields", [
     {"requests": -1}, {"chunks": 0}, {"sizes": ()}, {"sizes": (4, 0)}, {"stage": "a:b"}, {"stage": ""},
-    {"session": "x:y"}, {"pattern": "zeros"}, {"surprise": 1},
+    {"session": "x:y"}, {"seed": "x"}, {"surprise": 1},
 ])
 def test_a_malformed_plan_from_a_peer_is_a_validation_error(fields: dict[str, object]) -> None:
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({**msgspec.to_builtins(PLAN), **fields}, wl.Plan)
 
 
-@pytest.mark.parametrize("pattern", ["random", "fill"])
-def test_chunks_are_a_pure_function_of_seed_request_and_index(pattern: str) -> None:
-    plan = msgspec.structs.replace(PLAN, pattern=pattern)
+def test_chunks_are_a_pure_function_of_seed_request_and_index() -> None:
+    plan = msgspec.structs.replace(PLAN, sizes=(4096, 4000))
     one = wl.make_chunk(plan, 1, 2)["data"]
     assert one.dtype == np.uint8 and one.shape == (plan.size(1, 2),)
     assert np.array_equal(one, wl.make_chunk(plan, 1, 2)["data"])
-    others = [wl.chunk_data(plan, 2, 1), wl.chunk_data(msgspec.structs.replace(plan, seed=10), 1, 2)]
-    assert not any(np.array_equal(one, other) for other in others)
+    others = [wl.chunk_data(plan, 2, 1), wl.chunk_data(plan, 0, 0), wl.chunk_data(plan, 2, 0),
+              wl.chunk_data(msgspec.structs.replace(plan, seed=10), 1, 2)]
+    for other in others:  # every byte differs from a chunk of another (seed, request, index)
+        n = min(one.size, other.size)
+        assert (one[: n - n % 8] != other[: n - n % 8]).mean() > 0.9
 
 
 # -- verification (sans-I/O) ----------------------------------------------------------------------
