@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
-import os
 import sys
 import time
 import zlib
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..workload import all_or_first_error
+from ..workload import Plan, all_or_first_error, receive, send
 from .output import EXIT_FAILED, EXIT_OK, EXIT_USAGE, Progress, emit_json, err, summary_table
 from .running import run_async
+
+if TYPE_CHECKING:
+    from ..adapter import Chunk
 
 SESSION_KEY = "omni-cli"
 """Key prefix of the session manifests ``send`` puts for ``recv``: ``omni-cli:{sender}:{n}``."""
@@ -53,14 +53,10 @@ def service_config(args: argparse.Namespace, **agent: Any) -> Any:
 
 # -- command: recv ------------------------------------------------------------------------------
 class _Session(msgspec.Struct, forbid_unknown_fields=False):
-    """What ``send`` announces before its chunks (the manifest under ``omni-cli:{sender}:{n}``)."""
+    """What ``send`` announces before its chunks (the manifest under ``omni-cli:{sender}:{n}``):
+    the chunk streams' plan, and the KV blocks it wrote with their CRC-32s."""
 
-    session: str
-    stage: str
-    requests: list[str]
-    chunks: int
-    chunk_bytes: int
-    chunk_crc: int
+    plan: Plan
     blocks: list[int] = []
     block_crcs: list[int] = []
 
@@ -97,11 +93,11 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
         adapters: dict[tuple[str, str], Any] = {}
 
         async def session(peer: str, manifest: _Session) -> bool:
-            started = time.perf_counter()
-            say("session", f"session {manifest.session} from {peer}: {len(manifest.requests)} requests × "
-                f"{manifest.chunks} chunks of {manifest.chunk_bytes} B, {len(manifest.blocks)} blocks",
-                peer=peer, session=manifest.session, requests=len(manifest.requests), chunks=manifest.chunks,
-                chunk_bytes=manifest.chunk_bytes, blocks=len(manifest.blocks))
+            plan = manifest.plan
+            say("session", f"session {plan.session} from {peer}: {plan.requests} requests × "
+                f"{plan.chunks} chunks of {plan.sizes[0]} B, {len(manifest.blocks)} blocks",
+                peer=peer, session=plan.session, requests=plan.requests, chunks=plan.chunks,
+                chunk_bytes=plan.sizes[0], blocks=len(manifest.blocks))
             num_blocks = svc.region.num_blocks
             bad_blocks = abs(len(manifest.blocks) - len(manifest.block_crcs)) + sum(
                 not 0 <= b < num_blocks or zlib.crc32(svc.region.array[b]) != crc
@@ -109,45 +105,31 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
             )
             if manifest.blocks:
                 say("blocks", f"  blocks: {len(manifest.blocks)} written by {peer}, {bad_blocks} bad",
-                    peer=peer, session=manifest.session, blocks=len(manifest.blocks), bad=bad_blocks)
-            key = (peer, manifest.stage)
+                    peer=peer, session=plan.session, blocks=len(manifest.blocks), bad=bad_blocks)
+            key = (peer, plan.stage)
             if key not in adapters:
-                adapters[key] = svc.adapter(manifest.stage, source=peer)
-            adapter = adapters[key]
-            totals = {"chunks": 0, "bytes": 0, "bad": 0}
-            errors: list[str] = []
+                adapters[key] = svc.adapter(plan.stage, source=peer)
+            with bars.task(f"receiving {plan.session} from {peer}", plan.total_bytes) as advance:
+                def arrived(chunk: Chunk, verdict: str) -> None:
+                    nbytes = int(getattr(chunk.data.get("data"), "nbytes", 0))
+                    advance(nbytes)
+                    if not args.quiet:
+                        ok = verdict == "ok"
+                        say("chunk", f"  chunk {chunk.request_id} #{chunk.index} {nbytes} B "
+                            f"{'ok' if ok else 'BAD'}{' final' if chunk.final else ''}",
+                            peer=peer, request=chunk.request_id, index=chunk.index, bytes=nbytes, ok=ok,
+                            final=chunk.final)
 
-            async def consume(request_id: str, advance: Callable[[int], None]) -> None:
-                try:
-                    async for chunk in adapter.stream(request_id):
-                        data = chunk.data.get("data")
-                        nbytes = int(getattr(data, "nbytes", 0))
-                        ok = data is not None and zlib.crc32(data) == manifest.chunk_crc
-                        totals["chunks"] += 1
-                        totals["bytes"] += nbytes
-                        totals["bad"] += not ok
-                        advance(nbytes)
-                        if not args.quiet:
-                            say("chunk", f"  chunk {request_id} #{chunk.index} {nbytes} B "
-                                f"{'ok' if ok else 'BAD'}{' final' if chunk.final else ''}",
-                                peer=peer, request=request_id, index=chunk.index, bytes=nbytes, ok=ok,
-                                final=chunk.final)
-                except OmniAsyncError as exc:
-                    errors.append(f"{request_id}: {type(exc).__name__}: {exc}")
-
-            label = f"receiving {manifest.session} from {peer}"
-            with bars.task(label, len(manifest.requests) * manifest.chunks * manifest.chunk_bytes) as advance:
-                await asyncio.gather(*(consume(r, advance) for r in manifest.requests))
-            seconds = time.perf_counter() - started
-            expected = len(manifest.requests) * manifest.chunks
-            ok = not errors and totals["bad"] == 0 and bad_blocks == 0 and totals["chunks"] == expected
-            say("summary", f"session {manifest.session}: {totals['chunks']}/{expected} chunks "
-                f"({totals['bad']} bad), {totals['bytes'] / 1e6:.2f} MB in {seconds:.2f}s, "
+                summary = await receive(adapters[key], plan, on_chunk=arrived)
+            ok = summary.ok and bad_blocks == 0
+            bad_chunks = summary.corrupted + summary.reordered
+            say("summary", f"session {plan.session}: {summary.received}/{summary.chunks_expected} chunks "
+                f"({bad_chunks} bad), {summary.bytes / 1e6:.2f} MB in {summary.seconds:.2f}s, "
                 f"{len(manifest.blocks)} blocks ({bad_blocks} bad) -> {'OK' if ok else 'FAILED'}"
-                + "".join(f"\n  error: {e}" for e in errors[:5]),
-                peer=peer, session=manifest.session, chunks=totals["chunks"], chunks_expected=expected,
-                bad_chunks=totals["bad"], bytes=totals["bytes"], seconds=round(seconds, 4),
-                blocks=len(manifest.blocks), bad_blocks=bad_blocks, errors=errors, ok=ok)
+                + "".join(f"\n  error: {e}" for e in summary.errors[:5]),
+                peer=peer, session=plan.session, chunks=summary.received, chunks_expected=summary.chunks_expected,
+                bad_chunks=bad_chunks, bytes=summary.bytes, seconds=round(summary.seconds, 4),
+                blocks=len(manifest.blocks), bad_blocks=bad_blocks, errors=list(summary.errors), ok=ok)
             return ok
 
         async def serve(peer: str) -> None:
@@ -166,8 +148,8 @@ async def _recv(args: argparse.Namespace, config: Any) -> int:
                 try:
                     results.append(await session(peer, manifest))
                 except (ValueError, TypeError) as exc:  # e.g. a stage name the adapter refuses
-                    say("error", f"session {manifest.session} from {peer} is unusable: {exc}", peer=peer,
-                        session=manifest.session, error=str(exc))
+                    say("error", f"session {manifest.plan.session} from {peer} is unusable: {exc}", peer=peer,
+                        session=manifest.plan.session, error=str(exc))
                     results.append(False)
                 if args.sessions and len(results) >= args.sessions:
                     finished.set()
@@ -273,44 +255,20 @@ async def _send(args: argparse.Namespace, config: Any) -> int:
                               block_seconds=round(seconds, 4),
                               block_GBps=round(args.blocks * svc.region.block_len / seconds / 1e9, 3))
 
-            # Then the chunk streams: announce them, then R requests at once, each in order.
-            session = os.urandom(4).hex()
-            requests = [f"{session}-{r}" for r in range(args.requests)]
-            payload = rng.integers(0, 256, args.chunk_size, dtype=np.uint8)
-            manifest = _Session(session=session, stage=args.stage, requests=requests, chunks=args.chunks,
-                                chunk_bytes=args.chunk_size, chunk_crc=zlib.crc32(payload),
-                                blocks=block_indices, block_crcs=block_crcs)
+            # Then the chunk streams: announce them, then all requests at once, each in order.
+            plan = Plan(stage=args.stage, requests=args.requests, chunks=args.chunks, sizes=(args.chunk_size,),
+                        seed=int(rng.integers(1 << 32)))
+            manifest = _Session(plan=plan, blocks=block_indices, block_crcs=block_crcs)
             await svc.connector.put(peer, f"{SESSION_KEY}:{svc.agent.peer_id}:0", msgspec.to_builtins(manifest))
-            adapter = svc.adapter(args.stage, peer_id=peer)
-            latencies: list[float] = []
-
             with Progress(show_progress) as bars, bars.task("sending", total_bytes) as advance:
-                def acked(sent_at: float, future: asyncio.Future[None]) -> None:
-                    if not future.cancelled() and future.exception() is None:
-                        latencies.append(time.perf_counter() - sent_at)
-                        advance(args.chunk_size)
-
-                async def produce(request_id: str) -> None:
-                    window: list[asyncio.Future[None]] = []
-                    for index in range(args.chunks):
-                        if len(window) >= args.window:
-                            await window.pop(0)
-                        future = adapter.save_async(request_id, {"data": payload, "index": index},
-                                                    final=index == args.chunks - 1)
-                        future.add_done_callback(functools.partial(acked, time.perf_counter()))
-                        window.append(future)
-                    await asyncio.gather(*window)
-
-                started = time.perf_counter()
-                await all_or_first_error([produce(r) for r in requests])
-                seconds = time.perf_counter() - started
-            chunks = args.requests * args.chunks
+                sent = await send(svc.adapter(args.stage, peer_id=peer), plan, window=args.window, on_ack=advance)
+            chunks, seconds = sent.chunks, sent.seconds
             report.update(
-                session=session, requests=args.requests, chunks=chunks, chunk_bytes=args.chunk_size,
-                bytes=total_bytes, seconds=round(seconds, 4),
-                MBps=round(total_bytes / seconds / 1e6, 2), chunks_per_s=round(chunks / seconds, 1),
-                latency_p50_us=round(percentile(latencies, 50) * 1e6, 1),
-                latency_p99_us=round(percentile(latencies, 99) * 1e6, 1), ok=True,
+                session=plan.session, requests=args.requests, chunks=chunks, chunk_bytes=args.chunk_size,
+                bytes=sent.bytes, seconds=round(seconds, 4),
+                MBps=round(sent.bytes / seconds / 1e6, 2), chunks_per_s=round(chunks / seconds, 1),
+                latency_p50_us=round(percentile(list(sent.latencies), 50) * 1e6, 1),
+                latency_p99_us=round(percentile(list(sent.latencies), 99) * 1e6, 1), ok=True,
             )
     except OmniAsyncError as exc:  # before TimeoutError: HandshakeTimeout and DeadlineExceeded are both
         report["error"] = f"{type(exc).__name__}: {exc}"
