@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint fuzz soak bench clean
+.PHONY: demo demo-cluster test lint fuzz soak bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+demo-cluster: $(STAMP)
+	$(VENV)/bin/omni-async demo-cluster
 
 test: lint
 	$(PY) -m pytest -q

@@ -24,6 +24,8 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 ENV_PREFIX = "OMNI_ASYNC_"
+CONNECT_RULE = r"^(all|none|role:[\w.-]+)$"
+"""A discovery ``connect`` rule: ``all``, ``none`` or ``role:NAME``."""
 T = TypeVar("T", bound=msgspec.Struct)
 
 
@@ -123,6 +125,28 @@ class AdapterOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """On close: how long queued and in-flight saves may take to finish."""
 
 
+class DiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Finding peers through etcd (off unless ``etcd`` lists an endpoint; see docs/discovery.md)."""
+
+    etcd: list[Annotated[str, msgspec.Meta(pattern=r"^(https?://)?[^\s/:]+:\d+$")]] = msgspec.field(
+        default_factory=list
+    )
+    """etcd v3 endpoints, ``host:port`` (tried in turn); empty: discovery off."""
+    prefix: Annotated[str, msgspec.Meta(pattern=r"^/[^\s]*$")] = "/omni_async"
+    """Key prefix; this agent's card is stored under ``{prefix}/{group}/{peer_id}``."""
+    group: Annotated[str, msgspec.Meta(pattern=r"^[^/\s]+$")] = "default"
+    """Agents of one group find each other; other groups are not seen."""
+    ttl: Annotated[int, msgspec.Meta(ge=2)] = 10
+    """Seconds the card outlives this agent (its etcd lease, refreshed every ``ttl / 3``)."""
+    role: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    """This agent's role in the card (e.g. ``prefill``, ``decode``), matched by ``connect`` rules."""
+    connect: Annotated[str, msgspec.Meta(pattern=CONNECT_RULE)] = "all"
+    """Whom to dial: ``all``, ``none`` or ``role:NAME``; each pair is dialled once."""
+    retry_interval: PositiveSeconds = 1.0
+    """Seconds between attempts to reach etcd after losing it, and between re-dials of a wanted
+    peer that is not joined."""
+
+
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything a :class:`~omni_async.service.ConnectorService` needs."""
 
@@ -130,6 +154,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     region: RegionConfig = msgspec.field(default_factory=RegionConfig)
     connector: ConnectorSpec = msgspec.field(default_factory=ConnectorSpec)
     adapter: AdapterOptions = msgspec.field(default_factory=AdapterOptions)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
 
 
 def load_config(

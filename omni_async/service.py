@@ -7,14 +7,17 @@ plane + UCX transport), the connector named by the config, and every adapter mad
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .adapter import TransferAdapter
 from .agent import Agent
 from .config import AdapterOptions, ServiceConfig, load_config
 from .connector import Connector, create_connector
-from .errors import ClosedError
+from .errors import ClosedError, ConfigError
 from .region import BlockRegion
+
+if TYPE_CHECKING:
+    from .discovery.etcd import Discovery
 
 
 class ConnectorService:
@@ -35,18 +38,21 @@ class ConnectorService:
         self.agent.metrics.streams = self._stream_counts
         self._connector: Connector | None = None
         self._adapters: list[TransferAdapter] = []
+        self._discovery: Discovery | None = None
         self._closed = False
 
     async def start(self) -> ConnectorService:
-        """Start the agent and build the connector.  Returns self."""
+        """Start the agent, build the connector and, when configured, start discovery.  Returns self."""
         if self._closed:
             raise ClosedError("service is closed")
         if self._connector is None:
             await self.agent.start()
             try:
                 self._connector = create_connector(self.config.connector, self.agent)
+                if self.config.discovery.etcd:
+                    self._discovery = await _discovery(self.agent, self.config).start()
             except BaseException:
-                await self.agent.close()
+                await self.close()
                 raise
         return self
 
@@ -61,6 +67,11 @@ class ConnectorService:
         if self._connector is None:
             raise ClosedError("service is not started")
         return self._connector
+
+    @property
+    def discovery(self) -> Discovery | None:
+        """The etcd discovery of this service (None unless ``config.discovery.etcd`` is set)."""
+        return self._discovery
 
     @property
     def control_address(self) -> str:
@@ -86,12 +97,24 @@ class ConnectorService:
         return [(adapter.stage, adapter.active_requests, adapter.stalls) for adapter in list(self._adapters)]
 
     async def close(self) -> None:
-        """Close adapters (draining their saves), the connector and the agent.  Idempotent."""
+        """Leave discovery, close adapters (draining their saves), the connector and the agent.  Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._discovery is not None:
+            await self._discovery.close()
         for adapter in self._adapters:
             await adapter.close()
         if self._connector is not None:
             await self._connector.close()
         await self.agent.close()
+
+
+def _discovery(agent: Agent, config: ServiceConfig) -> Discovery:
+    try:
+        from .discovery.etcd import Discovery
+    except ImportError as exc:
+        raise ConfigError(
+            f"discovery.etcd is set but its client is missing ({exc}): pip install 'omni_async[discovery]'"
+        ) from None
+    return Discovery(agent, config.discovery)

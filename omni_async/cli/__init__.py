@@ -5,6 +5,7 @@ Commands (``omni-async COMMAND --help`` explains each):
 * ``demo``: the example sender/receiver pair (``examples/demo.py``, needs the repository checkout);
 * ``recv``: serve a ConnectorService, print its address, report every chunk received, until Ctrl-C;
 * ``send ADDRESS``: connect to a ``recv``, write KV blocks, stream chunks, print a summary;
+* ``demo-cluster``: etcd and four agents on loopback: discovery, then a verified transfer per pair;
 * ``bench``: run ``python -m bench ...`` from the checkout;
 * ``top [TARGET]``: a live view of a service's peers, throughput, failures and streams, read from
   its metrics endpoint (``--once --json``: one snapshot);
@@ -19,7 +20,7 @@ network operation is bounded; Ctrl-C (or SIGTERM) stops the command and closes i
 
 Layout: :mod:`.parser` (flags), one module per command group (:mod:`.transfer`: recv/send,
 :mod:`.configtool`: config check/docs, :mod:`.monitor`: top, :mod:`.keys`: keygen,
-:mod:`.checkout`: demo/bench), :mod:`.output` (exit statuses, printing) and :mod:`.running`
+:mod:`.checkout`: demo/bench, :mod:`.cluster`: demo-cluster), :mod:`.output` (exit statuses, printing) and :mod:`.running`
 (signals, the loop).
 """
 

