@@ -20,8 +20,8 @@ network operation is bounded; Ctrl-C (or SIGTERM) stops the command and closes i
 
 Layout: :mod:`.parser` (flags), one module per command group (:mod:`.transfer`: recv/send,
 :mod:`.configtool`: config check/docs, :mod:`.monitor`: top, :mod:`.keys`: keygen,
-:mod:`.checkout`: demo/bench, :mod:`.cluster`: demo-cluster), :mod:`.output` (exit statuses, printing) and :mod:`.running`
-(signals, the loop).
+:mod:`.checkout`: demo/bench, :mod:`.cluster`: demo-cluster), :mod:`.output` (exit statuses,
+printing) and :mod:`.running` (signals, the loop).
 """
 
 from __future__ import annotations
