@@ -47,23 +47,22 @@ def _stop_child(proc: subprocess.Popen[Any]) -> None:
             proc.wait()
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    root = find_checkout("examples/demo.py")
+def _in_checkout(command: str, needs: str, relative: str, argv: list[str], timeout: float | None) -> int:
+    """Run ``python ARGV`` in the checkout holding ``relative``; exit 2 naming ``needs`` if there is none."""
+    root = find_checkout(relative)
     if root is None:
-        err("demo needs the repository checkout (examples/demo.py), which is not next to this "
-            "installation nor in the current directory; run it from a clone: `make demo`")
+        err(f"{command} needs the repository checkout ({needs}), which is not next to this installation "
+            f"nor in the current directory; run it from a clone: `make {command}`")
         return EXIT_USAGE
-    return _run_child([sys.executable, str(root / "examples" / "demo.py")], root, args.timeout)
+    return _run_child([sys.executable, *argv], root, timeout)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return _in_checkout("demo", "examples/demo.py", "examples/demo.py", ["examples/demo.py"], args.timeout)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    root = find_checkout("bench/__main__.py")
-    if root is None:
-        err("bench needs the repository checkout (the bench/ package), which is not next to this "
-            "installation nor in the current directory; run it from a clone: `make bench`")
-        return EXIT_USAGE
     extra = list(args.bench_args)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    return _run_child([sys.executable, "-m", "bench", *extra], root, args.timeout)
-
+    return _in_checkout("bench", "the bench/ package", "bench/__main__.py", ["-m", "bench", *extra], args.timeout)
