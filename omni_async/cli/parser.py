@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     recv = sub.add_parser(
         "recv", help="serve a ConnectorService and report what arrives, until Ctrl-C",
         description="Start a ConnectorService, print its control address, accept peers and report every "
-                    "session a `send` starts: one line per chunk (verified against the sender's checksum), "
+                    "session a `send` starts: one line per chunk (verified against the announced plan), "
                     "a line for the KV blocks, and a summary per session.  Runs until Ctrl-C/SIGTERM, "
                     "--sessions or --duration; exit status 1 if any session failed verification.")
     _add_service_options(recv)
