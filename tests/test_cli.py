@@ -230,3 +230,9 @@ def test_demo_and_bench_without_a_checkout_say_so(monkeypatch: pytest.MonkeyPatc
     assert "examples/demo.py" in capsys.readouterr().err
     assert cli.main(["bench", "blocks"]) == cli.EXIT_USAGE
     assert "bench/" in capsys.readouterr().err
+
+
+def test_send_refuses_requests_without_chunks() -> None:
+    """A request of zero chunks has no final chunk, so its receiver could only wait for a stall."""
+    result = omni("send", "tcp://127.0.0.1:1", "--chunks", "0")
+    assert result.returncode == 2 and "must be >= 1" in result.stderr

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the receiver's control address, tcp://HOST:PORT (with ?key=... under CURVE)")
     _add_service_options(send)
     send.add_argument("--requests", type=_count, default=4, help="concurrent requests (4)")
-    send.add_argument("--chunks", type=_count, default=8, help="chunks per request (8)")
+    send.add_argument("--chunks", type=_at_least_one, default=8, help="chunks per request (8)")
     send.add_argument("--chunk-size", type=parse_size, default=64 << 10, help="bytes per chunk (64K)")
     send.add_argument("--blocks", type=_count, default=0, help="KV blocks to write first (0)")
     send.add_argument("--window", type=_at_least_one, default=8, help="unacknowledged chunks per request (8)")
