@@ -81,7 +81,10 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.size(r, i) for r in range(self.requests) for i in range(self.chunks))
+        cycles, rest = divmod(self.chunks, len(self.sizes))
+        twice = self.sizes * 2  # chunk sizes cycle: whole cycles, then ``rest`` sizes from the request's offset
+        return sum(cycles * sum(self.sizes) + sum(twice[o: o + rest])
+                   for o in (r % len(self.sizes) for r in range(self.requests)))
 
 
 def plan_key(sender: str, number: int) -> str:

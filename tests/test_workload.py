@@ -21,6 +21,9 @@ def test_a_plan_round_trips_through_the_wire_and_names_its_requests() -> None:
     assert [PLAN.request_id(r) for r in range(3)] == ["s1-0", "s1-1", "s1-2"]
     assert [PLAN.size(1, i) for i in range(4)] == [300, 7, 10, 300]
     assert PLAN.total_chunks == 12 and PLAN.total_bytes == 4 * (10 + 300 + 7)
+    for requests, chunks, sizes in ((5, 7, (3, 1, 4, 1, 5)), (2, 1, (9, 2)), (0, 3, (1,)), (4, 2, (8,))):
+        plan = wl.Plan(stage="a", requests=requests, chunks=chunks, sizes=sizes)
+        assert plan.total_bytes == sum(plan.size(r, i) for r in range(requests) for i in range(chunks))
     assert wl.plan_key("tx", 3) == "workload-plan:tx:3"
     assert wl.Plan(stage="a", requests=1, chunks=1, sizes=(1,)).session != wl.Plan(
         stage="a", requests=1, chunks=1, sizes=(1,)).session
