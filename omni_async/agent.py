@@ -24,6 +24,7 @@ from .handshake import LocalIdentity, PeerInfo
 from .metrics import Metrics, serve_metrics
 from .region import BlockRegion, config_fingerprint
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
+from .transport.shared import advertise
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class Agent:
             num_blocks=region.num_blocks,
             block_len=region.block_len,
             fingerprint=config_fingerprint(self.config.config_fields),
+            max_write_blocks=self.config.max_write_blocks,
+            max_message_bytes=self.config.max_message_bytes,
+            region_share=advertise(region) if self.config.same_host_lane else None,
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None

@@ -70,6 +70,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     (loopback demos); required across hosts.  ``omni-async keygen`` makes a pair."""
     curve_allowed_keys: list[str] = msgspec.field(default_factory=list)
     """Public keys (Z85) of the peers allowed to connect when CURVE is on."""
+    same_host_lane: bool = True
+    """Write blocks to peers on this host with one copy, straight into their region (mapped
+    shared memory, else ``process_vm_writev``) instead of through UCX.  Such a peer can write
+    any row of this side's region: turn it off unless peers on this host are trusted (see
+    docs/reliability.md, "Same-host lane: trust model")."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= self.heartbeat_interval:

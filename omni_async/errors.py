@@ -138,6 +138,13 @@ class InvalidBlocks(TransferError, ValueError):
     code = "invalid_blocks"
 
 
+class InvalidMessage(TransferError, ValueError):
+    """A chunk message exceeds a wire limit or the receiver's announced ``max_message_bytes``
+    (raised by the sender before anything is sent)."""
+
+    code = "invalid_message"
+
+
 #: Error types a peer may name in a rejection or a failed acknowledgement, by code.
 REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {
     cls.code: cls
@@ -154,6 +161,7 @@ REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {
         TransferRefused,
         BufferFull,
         InvalidBlocks,
+        InvalidMessage,
         ClosedError,
         UnknownPeer,
         PeerLost,

@@ -14,14 +14,23 @@ from typing import TypeVar
 
 from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, VersionMismatch, error_from_code
 from .region import fingerprints_compatible
-from .wire import PROTOCOL_VERSION, Hello, Reject, Welcome
+from .wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_WRITE_BLOCKS,
+    PROTOCOL_VERSION,
+    Hello,
+    RegionShare,
+    Reject,
+    Welcome,
+)
 
 H = TypeVar("H", bound=Hello)
 
 
 @dataclass(frozen=True, slots=True)
 class LocalIdentity:
-    """This side's description: who it is and the layout of its block region."""
+    """This side's description: who it is, the layout of its block region and its receive
+    limits (a peer's sender keeps every request within them)."""
 
     peer_id: str
     base_addr: int
@@ -30,6 +39,9 @@ class LocalIdentity:
     fingerprint: str
     nonce: int = 0
     host_id: str = ""
+    max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    region_share: RegionShare | None = None
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -54,6 +66,9 @@ class LocalIdentity:
             block_len=self.block_len,
             fingerprint=self.fingerprint,
             host_id=self.host_id,
+            max_write_blocks=self.max_write_blocks,
+            max_message_bytes=self.max_message_bytes,
+            region_share=self.region_share,
         )
 
 
@@ -69,6 +84,11 @@ class PeerInfo:
     block_len: int
     fingerprint: str
     host_id: str = ""
+    max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
+    """Most blocks the peer accepts in one write request."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest chunk message the peer accepts."""
+    region_share: RegionShare | None = None
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -81,6 +101,9 @@ class PeerInfo:
             block_len=msg.block_len,
             fingerprint=msg.fingerprint,
             host_id=msg.host_id,
+            max_write_blocks=msg.max_write_blocks,
+            max_message_bytes=msg.max_message_bytes,
+            region_share=msg.region_share,
         )
 
 

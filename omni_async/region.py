@@ -2,13 +2,15 @@
 
 A :class:`BlockRegion` is a ``num_blocks × block_len`` uint8 array.  Remote peers write into it
 (the transport posts receives straight into its row slices), so it must stay alive and must not
-be resized while a transport uses it.
+be resized while a transport uses it.  An allocated region lives in shared memory that peers
+on the same host may map (:mod:`omni_async.memfd`); building one is the only I/O here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -16,6 +18,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import ConfigError, InvalidBlocks
+from .memfd import SharedSegment
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BlockRegion", "Run", "config_fingerprint", "plan_runs"]
 
@@ -45,9 +50,9 @@ class BlockRegion:
     into it.
     """
 
-    __slots__ = ("_array",)
+    __slots__ = ("_array", "_segment")
 
-    def __init__(self, array: npt.NDArray[np.uint8]) -> None:
+    def __init__(self, array: npt.NDArray[np.uint8], segment: SharedSegment | None = None) -> None:
         if not isinstance(array, np.ndarray) or array.ndim != 2 or array.dtype != np.uint8:
             raise ConfigError("a block region must be a 2-D uint8 numpy array")
         if not array.flags.c_contiguous:
@@ -57,14 +62,25 @@ class BlockRegion:
         if array.shape[0] < 1 or array.shape[1] < 1:
             raise ConfigError(f"a block region needs at least one block of one byte, got {array.shape}")
         self._array = array
+        self._segment = segment
 
     @classmethod
     def allocate(cls, num_blocks: int, block_len: int) -> BlockRegion:
-        """A new zero-filled region owned by the returned object."""
+        """A new zero-filled region owned by the returned object.
+
+        It lives in a sealed memfd (:class:`~omni_async.memfd.SharedSegment`) that peers on
+        this host may map to write blocks with one copy; where the kernel has no memfd, in
+        private memory.
+        """
         for name, value in (("num_blocks", num_blocks), ("block_len", block_len)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        return cls(np.zeros((num_blocks, block_len), dtype=np.uint8))
+        try:
+            segment = SharedSegment(num_blocks * block_len)
+        except OSError as exc:
+            log.info("no memfd for a block region (%s): allocating private memory", exc)
+            return cls(np.zeros((num_blocks, block_len), dtype=np.uint8))
+        return cls(segment.array.reshape(num_blocks, block_len), segment)
 
     @classmethod
     def wrap(cls, buffer: Any) -> BlockRegion:
@@ -89,6 +105,11 @@ class BlockRegion:
     def array(self) -> npt.NDArray[np.uint8]:
         """The whole region as a 2-D uint8 array (a view, not a copy)."""
         return self._array
+
+    @property
+    def segment(self) -> SharedSegment | None:
+        """The shared memory the region lives in (allocated regions), or None (wrapped ones)."""
+        return self._segment
 
     @property
     def num_blocks(self) -> int:

@@ -40,6 +40,18 @@ MAX_FRAMES: Final = 1024
 MAX_KEY: Final = 1024
 MAX_META_BYTES: Final = 48 * 1024
 I64: Final = (1 << 63) - 1
+RUNS_PER_REQUEST: Final = 3072
+"""Most runs a sender puts in one :class:`WriteRequest`: the worst case (every number a
+9-byte msgpack integer, 19 bytes a run) still fits in :data:`MAX_HEADER_BYTES`."""
+MAX_PENDING_PAYLOADS: Final = 8192
+"""Most payload messages a receiver holds state for per peer (announced by a header and not
+received yet, or arrived before their header); a sender keeps its unacknowledged ones within."""
+MIN_RECEIVE_BUDGET: Final = 64 << 20
+"""Floor of a receiver's per-peer budget for chunk-message buffers (see ``limits.receive_budget``)."""
+DEFAULT_MAX_WRITE_BLOCKS: Final = 1 << 20
+"""A receiver's ``max_write_blocks`` when its Hello does not announce one."""
+DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30
+"""A receiver's ``max_message_bytes`` when its Hello does not announce one."""
 
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID)]
 Fingerprint = Annotated[str, msgspec.Meta(max_length=64)]
@@ -54,6 +66,23 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
 
 
 # -- control plane (ZeroMQ) ------------------------------------------------------------------
+class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """How a peer on the same host may write this side's region with one copy.
+
+    ``pid`` is the advertising process.  With ``fd >= 0``, ``fd`` and ``token`` name the sealed
+    memfd its region lives in (:mod:`omni_async.memfd`), which the peer maps through
+    ``/proc/<pid>/fd/<fd>`` after checking the token.  With ``fd == -1`` the peer may write the
+    region at ``base_addr`` with ``process_vm_writev`` once it has read ``token`` at
+    ``proof_addr`` in that process (proof that ``pid`` is the peer, not a process it names).
+    See :mod:`omni_async.transport.shared`.
+    """
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    fd: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
+    token: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{32})?$")] = ""
+    proof_addr: NonNeg = 0
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """First message of a handshake; :class:`Welcome` is the same description of the other side.
 
@@ -71,6 +100,12 @@ class Hello(_Msg, tag="hello", frozen=True):
     fingerprint: Fingerprint
     host_id: Annotated[str, msgspec.Meta(max_length=128)] = ""
     """Identifies the sender's machine (kernel boot id): peers on one host gather writes."""
+    max_write_blocks: Count = DEFAULT_MAX_WRITE_BLOCKS
+    """Most blocks the sender accepts in one incoming write request (its receive limit)."""
+    max_message_bytes: Count = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest incoming chunk message the sender accepts (all frames together)."""
+    region_share: RegionShare | None = None
+    """Offered to peers with the same ``host_id`` (None: write through UCX only)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -102,13 +137,16 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     """A block write: ``runs`` are ``(remote_start, count)``.
 
     ``gathered``: all runs travel as one payload message tagged ``seq``; otherwise run ``i`` is
-    its own message tagged ``seq + i``.
+    its own message tagged ``seq + i``.  ``placed``: no payload follows, the sender already
+    copied the rows into the receiver's region (same host, see
+    :mod:`omni_async.transport.shared`); the receiver checks the runs and acknowledges.
     """
 
     transfer_id: NonNeg
     seq: NonNeg
     runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
     gathered: bool = True
+    placed: bool = False
 
 
 class MessageHeader(_Msg, tag="m", frozen=True):

@@ -258,3 +258,72 @@ async def test_idle_pair_does_not_spin(make_agent):
 async def _until(predicate, interval=0.01):
     while not predicate():
         await asyncio.sleep(interval)
+
+
+async def test_write_of_10000_scattered_blocks_just_works(make_agent):
+    """More non-adjacent runs than one request carries: split, settled as one transfer."""
+    a = await make_agent(num_blocks=20_000, block_len=64, peer_id="a")
+    b = await make_agent(num_blocks=20_000, block_len=64, peer_id="b")
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    fill(a)
+    local = list(range(0, 20_000, 2))
+    remote = list(range(19_999, 0, -2))
+    await asyncio.wait_for(a.write_blocks("b", local, remote), 20)
+    assert np.array_equal(b.region.array[remote], a.region.array[local])
+    assert not b.region.array[0:20_000:2].any()
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+async def test_sender_splits_writes_to_the_receivers_max_write_blocks(make_agent):
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b", max_write_blocks=5)
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    assert a.peers["b"].max_write_blocks == 5
+    fill(a)
+    await asyncio.wait_for(a.write_blocks("b", list(range(64)), list(range(64))), 5)
+    assert np.array_equal(b.region.array, a.region.array)
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+async def test_messages_over_a_limit_fail_locally_and_keep_the_peer(make_agent):
+    from omni_async import InvalidMessage
+    from omni_async.wire import MAX_FRAMES, MAX_KEY, MAX_META_BYTES
+
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b", max_message_bytes=1000)
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(key))
+    for key, meta, frames in [
+        ("k" * (MAX_KEY + 1), b"", [b"x"]),
+        ("k", b"m" * (MAX_META_BYTES + 1), [b"x"]),
+        ("k", b"", [b"x"] * (MAX_FRAMES + 1)),
+        ("k", b"", [bytes(1001)]),
+    ]:
+        with pytest.raises(InvalidMessage):
+            a.send_message("b", key, meta, frames)
+    for key, meta in [(7, b""), ("k", "text")]:
+        with pytest.raises(TypeError):
+            a.send_message("b", key, meta, [b"x"])
+    assert a.transport.in_flight() == []
+    await asyncio.wait_for(a.send_message("b", "k" * MAX_KEY, b"m" * MAX_META_BYTES, [bytes(1000)]), 5)
+    assert got == ["k" * MAX_KEY]
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+async def test_many_concurrent_large_messages_stay_within_the_receivers_bounds(make_agent):
+    """Unacknowledged chunk bytes beyond the receiver's budget wait at the sender (its
+    window) instead of making the receiver drop the peer."""
+    from omni_async.transport.limits import receive_budget
+
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b", max_message_bytes=1 << 20)
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(int(frames[0][0])))
+    count = 2 * receive_budget(1 << 20) // (1 << 20)
+    frames = [np.full(1 << 20, i % 256, np.uint8) for i in range(count)]
+    transfers = [a.send_message("b", f"k{i}", b"", [frames[i]]) for i in range(count)]
+    await asyncio.wait_for(asyncio.gather(*transfers), 30)
+    assert sorted(got) == sorted(i % 256 for i in range(count))
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}

@@ -358,7 +358,22 @@ class Child:
         return self.reply()
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; for SIGSTOP, return only once every thread of the child has stopped.
+
+        (The kernel stops a process's threads one by one, after the signal is sent: on a busy
+        machine a thread kept running, and answering, for milliseconds after ``kill``.)"""
         os.kill(self.pid, sig)
+        deadline = time.monotonic() + 5.0
+        while sig == signal.SIGSTOP and not self._stopped():
+            assert time.monotonic() < deadline, "child did not stop"
+            time.sleep(0.001)
+
+    def _stopped(self) -> bool:
+        states = []
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            with open(f"/proc/{self.pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        return all(state in ("T", "t") for state in states)
 
     def finish(self) -> None:
         if self.proc.is_alive():

@@ -8,11 +8,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import ucxx._lib.libucxx as ucx_api
 import zmq
 import zmq.asyncio
 
-from omni_async.transport.lane import new_context
+from omni_async.transport.lane import load_ucxx, new_context
 from omni_async.wire import MAX_CONTROL_BYTES, Heartbeat, Hello, Reject, Welcome, decode_control, encode_control
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,7 +22,7 @@ _workers = []
 
 def real_address() -> bytes:
     """The address of a live UCX worker (kept alive for the whole test session)."""
-    worker = ucx_api.UCXWorker(new_context("^cma"), enable_delayed_submission=False, enable_python_future=False)
+    worker = load_ucxx().UCXWorker(new_context("^cma"), enable_delayed_submission=False, enable_python_future=False)
     _workers.append(worker)
     return bytes(worker.address.tobytes())
 
@@ -35,6 +34,15 @@ def hello(peer_id: str, metadata: bytes, **overrides) -> Hello:
     return Hello(**fields)
 
 
+async def answer(sock):
+    """The next control message on ``sock`` that is not a heartbeat (once welcomed, the agent
+    heartbeats this socket too, so one may come before the answer)."""
+    while True:
+        msg = decode_control(await sock.recv())
+        if not isinstance(msg, Heartbeat):
+            return msg
+
+
 async def healthy_traffic(a, b, rounds: int) -> int:
     rng = np.random.default_rng(3)
     for i in range(rounds):
@@ -43,14 +51,6 @@ async def healthy_traffic(a, b, rounds: int) -> int:
         await asyncio.wait_for(a.write_blocks("b", idx, idx), 5)
         assert np.array_equal(b.region.array[idx], a.region.array[idx])
     return rounds
-
-
-async def answer(sock: zmq.asyncio.Socket) -> object:
-    """The next control message that is not a heartbeat."""
-    async with asyncio.timeout(10):
-        while isinstance(msg := decode_control(await sock.recv()), Heartbeat):
-            pass
-    return msg
 
 
 async def test_garbage_and_replays_do_not_disturb_a_healthy_peer(make_agent):
@@ -70,9 +70,9 @@ async def test_garbage_and_replays_do_not_disturb_a_healthy_peer(make_agent):
         # A valid hello, then the same hello replayed on the same connection.
         good = encode_control(hello("intruder", real_address()))
         await sock.send(good)
-        first = await answer(sock)
+        first = await asyncio.wait_for(answer(sock), 10)
         await sock.send(good)
-        second = await answer(sock)  # once joined, the intruder also gets heartbeats: skip them
+        second = await asyncio.wait_for(answer(sock), 10)
         assert isinstance(first, Welcome)
         assert isinstance(second, Reject) and "already" in second.reason
         # Oversized: ZeroMQ drops the connection, the agent never sees it.
@@ -142,7 +142,7 @@ async def test_handshake_flood_is_bounded(make_agent):
 
     b.add_peer_listener(track)
     context = new_context("^cma", "lo")  # the fakes' context (its descriptors are not b's) ...
-    ucx_api.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
+    load_ucxx().UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
     gc.collect()  # ... nor what its first worker leaves allocated in it
     fds_before = fds()
     targets_before = fd_targets()
@@ -152,7 +152,7 @@ async def test_handshake_flood_is_bounded(make_agent):
         for batch in range(10):
             workers, socks = [], []
             for i in range(batch * 30, batch * 30 + 30):
-                worker = ucx_api.UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
+                worker = load_ucxx().UCXWorker(context, enable_delayed_submission=False, enable_python_future=False)
                 workers.append(worker)
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
@@ -186,3 +186,70 @@ async def test_handshake_flood_is_bounded(make_agent):
     a = await make_agent(peer_id="a")
     await a.connect(b.control_address)
     await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
+
+
+async def test_a_message_on_an_unknown_tag_is_taken_and_drops_the_sender(make_agent):
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    left = []
+    b.add_peer_listener(lambda event: left.append(event.peer_id) if event.kind == "left" else None)
+    async with Rogue.join(b.control_address) as rogue:
+        assert "rogue" in b.peers
+        rogue.send(np.ones(100, np.uint8), 5 << 60)
+        async with asyncio.timeout(5):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.01)
+    assert left == ["rogue"]
+
+
+@pytest.mark.parametrize("flood", ["messages", "writes"])
+async def test_announced_payloads_that_never_come_are_bounded(make_agent, flood):
+    """Headers whose payloads never come: the receiver drops the peer at its bounds (chunk
+    buffers: receive_budget(max_message_bytes); payload messages: MAX_PENDING_PAYLOADS)."""
+    from omni_async.transport.limits import receive_budget
+    from omni_async.wire import HEADER_TAG, MAX_PENDING_PAYLOADS, MessageHeader, WriteRequest, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0, max_message_bytes=1 << 20)
+    a = await make_agent(peer_id="a")
+    await a.connect(b.control_address)
+    async with Rogue.join(b.control_address) as rogue:
+        if flood == "messages":
+            frame = 1 << 20
+            headers = [MessageHeader(i, i, "k", b"", [frame]) for i in range(receive_budget(1 << 20) // frame + 1)]
+        else:
+            runs = [(2 * i, 1) for i in range(32)]
+            headers = [WriteRequest(i, 32 * i, runs, False) for i in range(MAX_PENDING_PAYLOADS // 32 + 1)]
+        for header in headers:
+            rogue.send(encode_header(header), HEADER_TAG)
+        async with asyncio.timeout(10):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.01)
+    await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
+
+
+async def test_a_flooding_peer_does_not_starve_the_others(make_agent):
+    """A peer process floods valid headers that cost the receiver more than the sender;
+    another peer's transfers and the control heartbeats keep working meanwhile (before
+    lane progress was bounded per wake-up, the loop never left the flooding lane)."""
+    import json
+    import sys
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    a = await make_agent(peer_id="a", heartbeat_interval=0.1, heartbeat_timeout=3.0)
+    await a.connect(b.control_address)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.helpers.rogue", "flood", b.control_address,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 30)) == {"joined": True}
+        await asyncio.sleep(0.5)  # the flood is on
+        assert await asyncio.wait_for(healthy_traffic(a, b, 50), 30) == 50
+        await asyncio.sleep(3.5)  # longer than the heartbeat timeout between a and b
+        assert proc.returncode is None  # still flooding
+        assert set(a.peers) == {"b"} and "a" in b.peers and "rogue" in b.peers
+    finally:
+        proc.kill()
+        await proc.wait()

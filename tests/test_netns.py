@@ -26,6 +26,8 @@ pytestmark = [
 
 NUM_BLOCKS, BLOCK_LEN = 32, 64 * 1024
 HEARTBEAT = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "handshake_timeout": 5.0}
+CROSS_HOST = {"ucx_tls": "tcp", "same_host_lane": False}
+"""Both namespaces share one kernel (one host_id): keep blocks on the network path, as between hosts."""
 
 
 def ip(*args: str) -> None:
@@ -88,14 +90,14 @@ async def start(ns: str, role: str, path: str, config: dict, *extra: str) -> Pro
 
 async def test_link_cut_fails_both_sides_in_time_then_reconnects(hosts, tmp_path):
     rx = await start(hosts["b"], "serve", str(tmp_path / "rx"),
-                     {"peer_id": "rx", "host": "10.77.0.2", "ucx_tls": "tcp", "ucx_net_devices": "vb", **HEARTBEAT})
+                     {"peer_id": "rx", "host": "10.77.0.2", **CROSS_HOST, "ucx_net_devices": "vb", **HEARTBEAT})
     tx = None
     try:
         address = (await rx.line())["address"]
         assert address.startswith("tcp://10.77.0.2:")
         assert (await rx.line())["tls"] == "tcp"  # the cross-host path, not shared memory
         tx = await start(hosts["a"], "pump", str(tmp_path / "tx"),
-                         {"peer_id": "tx", "host": "10.77.0.1", "ucx_tls": "tcp", "ucx_net_devices": "va", **HEARTBEAT},
+                         {"peer_id": "tx", "host": "10.77.0.1", **CROSS_HOST, "ucx_net_devices": "va", **HEARTBEAT},
                          address)
         assert (await tx.until("connected"))["connected"] == "rx"
         assert (await rx.until("event"))["event"] == "joined"

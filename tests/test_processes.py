@@ -55,10 +55,14 @@ async def test_writes_land_in_the_other_process(make_agent, spawn_peer, tmp_path
 
 @pytest.mark.parametrize("tls", SHIPPED_TLS)
 async def test_receiver_killed_mid_transfer_fails_awaiters_in_time(make_agent, spawn_peer, tmp_path, tls):
-    """The sender (this process) survives, and every awaiter fails with PeerLost promptly."""
+    """The sender (this process) survives, and every awaiter fails with PeerLost promptly.
+
+    Blocks go through UCX here (the same-host lane copies each write before ``write_blocks``
+    returns, so nothing would be queued at the kill): tests/test_shared.py proves the same
+    rule for that lane."""
     path = str(tmp_path / "region")
     peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "rx"})
-    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", ucx_tls=tls)
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", ucx_tls=tls, same_host_lane=False)
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
@@ -90,8 +94,10 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spa
     first, count = 16, 32  # the writer's blocks go to rows 16..47 only
     events: list[PeerEvent] = []
     agent.add_peer_listener(events.append)
+    # blocks through UCX (tests/test_shared.py proves this rule for the same-host lane)
     writer = await spawn_peer("write", str(tmp_path / "w"), NUM_BLOCKS, BLOCK_LEN,
-                              {"ucx_tls": tls, "peer_id": "tx"}, agent.control_address, str(first), str(count))
+                              {"ucx_tls": tls, "peer_id": "tx", "same_host_lane": False}, agent.control_address,
+                              str(first), str(count))
     assert writer.info == {"connected": "rx"}
     sent = np.array(peer_region(str(tmp_path / "w"))[:count])
     while not (agent.region.array[first:first + count] == sent).all():  # at least one write landed

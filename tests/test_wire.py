@@ -165,3 +165,13 @@ def test_fuzz_structured_values(value):
     data = msgspec.msgpack.encode(value)
     _decode_control_or_protocol_error(data)
     _decode_header_or_protocol_error(len(data).to_bytes(4, "little") + data)
+
+
+def test_worst_case_headers_fit():
+    """A sender's largest legitimate headers encode within MAX_HEADER_BYTES."""
+    from omni_async.wire import I64, MAX_FRAMES, MAX_KEY, MAX_META_BYTES, RUNS_PER_REQUEST
+
+    write = WriteRequest(I64, I64, [(I64 - 1, I64)] * RUNS_PER_REQUEST, False)
+    assert isinstance(decode_header(encode_header(write)), WriteRequest)
+    message = MessageHeader(I64, I64, "\U0010ffff" * MAX_KEY, b"m" * MAX_META_BYTES, [I64] * MAX_FRAMES)
+    assert isinstance(decode_header(encode_header(message)), MessageHeader)

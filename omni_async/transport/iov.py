@@ -10,11 +10,15 @@ the endpoint and worker handles ucxx exposes, and tracks the returned UCP reques
 Contract: the buffers named by an IOV must stay alive and unchanged until the request completes
 (:class:`~omni_async.transport.lane.Lane` keeps them referenced).  Requests are polled with
 :func:`status` and released with :func:`free`.
+
+Threading: nothing here is shared and mutable (libucp is opened once, on first use; each
+prober passes its own :class:`RecvInfo`), so lanes on different threads do not interfere.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Any, Final
 
@@ -45,34 +49,45 @@ class _RequestParam(ctypes.Structure):
     )
 
 
-def _libucp() -> ctypes.CDLL:
-    """The libucp ucxx already loaded (the same copy: UCP state is per library instance)."""
+class _Ucp:
+    """The libucp functions this module calls, bound with their C signatures."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.send = lib.ucp_tag_send_nbx
+        self.send.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(_RequestParam)
+        ]
+        self.send.restype = ctypes.c_void_p
+        self.recv = lib.ucp_tag_msg_recv_nbx
+        self.recv.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(_RequestParam)
+        ]
+        self.recv.restype = ctypes.c_void_p
+        self.check = lib.ucp_request_check_status
+        self.check.argtypes = [ctypes.c_void_p]
+        self.check.restype = ctypes.c_int8
+        self.free = lib.ucp_request_free
+        self.free.argtypes = [ctypes.c_void_p]
+        self.free.restype = None
+        self.probe = lib.ucp_tag_probe_nb
+        self.probe.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
+        self.probe.restype = ctypes.c_void_p
+        self.strerror = lib.ucs_status_string
+        self.strerror.argtypes = [ctypes.c_int8]
+        self.strerror.restype = ctypes.c_char_p
+
+
+@functools.cache
+def _ucp() -> _Ucp:
+    """The libucp ucxx already loaded (the same copy: UCP state is per library instance),
+    opened on first use, never at import."""
     import libucx
 
     path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
-    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+    return _Ucp(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL))
 
 
-_ucp = _libucp()
-_send = _ucp.ucp_tag_send_nbx
-_send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(_RequestParam)]
-_send.restype = ctypes.c_void_p
-_recv = _ucp.ucp_tag_msg_recv_nbx
-_recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(_RequestParam)]
-_recv.restype = ctypes.c_void_p
-_check = _ucp.ucp_request_check_status
-_check.argtypes = [ctypes.c_void_p]
-_check.restype = ctypes.c_int8
-_free = _ucp.ucp_request_free
-_free.argtypes = [ctypes.c_void_p]
-_free.restype = None
-_probe = _ucp.ucp_tag_probe_nb
-_probe.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
-_probe.restype = ctypes.c_void_p
-_strerror = _ucp.ucs_status_string
-_strerror.argtypes = [ctypes.c_int8]
-_strerror.restype = ctypes.c_char_p
-
+# Read-only request parameters (UCX only reads them): safe to share between threads.
 _PARAM = _RequestParam(op_attr_mask=_UCP_OP_ATTR_FIELD_DATATYPE, datatype=_UCP_DATATYPE_IOV)
 _PARAM_REF = ctypes.byref(_PARAM)
 _CONTIG_REF = ctypes.byref(_RequestParam())  # no datatype field: contiguous bytes
@@ -87,26 +102,25 @@ def iov_of(buffers: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
     return iov
 
 
-class _RecvInfo(ctypes.Structure):
-    """``ucp_tag_recv_info_t``."""
+class RecvInfo(ctypes.Structure):
+    """``ucp_tag_recv_info_t``, which :func:`probe` fills in.  Each prober owns one (a lane
+    has its own): ctypes calls release the GIL, so a shared one could be overwritten by
+    another thread's probe between the call and the read."""
 
     _fields_ = (("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t))
 
 
-_INFO = _RecvInfo()
-_INFO_REF = ctypes.byref(_INFO)
-
-
-def probe(worker: Any, tag: int, mask: int) -> tuple[int, int, int] | None:
+def probe(worker: Any, tag: int, mask: int, info: RecvInfo) -> tuple[int, int, int] | None:
     """Take the oldest arrived message matching ``tag``/``mask`` off the worker's queue.
 
-    Returns ``(message, sender_tag, length)``; the message must then be received with
-    :func:`recv` (it is removed from UCX's queue).  None if nothing matches.
+    Returns ``(message, sender_tag, length)`` (read from the caller's ``info``); the message
+    must then be received with :func:`recv` (it is removed from UCX's queue).  None if
+    nothing matches.
     """
-    message = _probe(worker.handle, tag, mask, 1, _INFO_REF)
+    message = _ucp().probe(worker.handle, tag, mask, 1, ctypes.byref(info))
     if not message:
         return None
-    return message, _INFO.sender_tag, _INFO.length
+    return message, info.sender_tag, info.length
 
 
 def send(endpoint: Any, tag: int, iov: npt.NDArray[np.uint64]) -> int:
@@ -114,30 +128,31 @@ def send(endpoint: Any, tag: int, iov: npt.NDArray[np.uint64]) -> int:
 
     Raises :class:`OSError` with UCX's reason if the send could not be posted.
     """
-    return _checked(_send(endpoint.handle, iov.ctypes.data, len(iov), tag, _PARAM_REF))
+    return _checked(_ucp().send(endpoint.handle, iov.ctypes.data, len(iov), tag, _PARAM_REF))
 
 
 def recv(worker: Any, message: int, iov: npt.NDArray[np.uint64]) -> int:
     """Receive a ``message`` from :func:`probe` scattering into ``iov``; a request to poll, or 0
     if done.  A single element is received as contiguous bytes (keeps UCX's zero-copy paths,
     which an IOV receive disables: measured 3x slower over tcp)."""
+    ucp = _ucp()
     if len(iov) == 1:
-        return _checked(_recv(worker.handle, int(iov[0, 0]), int(iov[0, 1]), message, _CONTIG_REF))
-    return _checked(_recv(worker.handle, iov.ctypes.data, len(iov), message, _PARAM_REF))
+        return _checked(ucp.recv(worker.handle, int(iov[0, 0]), int(iov[0, 1]), message, _CONTIG_REF))
+    return _checked(ucp.recv(worker.handle, iov.ctypes.data, len(iov), message, _PARAM_REF))
 
 
 def status(request: int) -> int:
     """``UCS_INPROGRESS``, ``UCS_OK`` or a negative UCX error code."""
-    return int(_check(request))
+    return int(_ucp().check(request))
 
 
 def free(request: int) -> None:
     """Release a request (UCX frees an unfinished one when it completes)."""
-    _free(request)
+    _ucp().free(request)
 
 
 def error(code: int) -> OSError:
-    reason = _strerror(code)
+    reason = _ucp().strerror(code)
     return OSError(f"UCX: {reason.decode() if reason else code}")
 
 

@@ -18,29 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-# UCX logs to stdout by default, where it would mix with a program's own output.  This only
-# takes effect if omni_async is imported before anything else loads UCX.
-os.environ.setdefault("UCX_LOG_FILE", "stderr")
-# Importing ucxx writes UCX_* tunings for GPUs (UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE=cuda,
-# UCX_MAX_RNDV_RAILS, and UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows) into os.environ,
-# where every UCX context and every child process would pick them up.  Undo that: our contexts
-# get what they need through new_context's config.
-_ucx_environ = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
-
-import ucxx._lib.libucxx as ucx_api  # noqa: E402
-from ucxx._lib.arr import Array  # noqa: E402
-
-from ..errors import PeerLost, ProtocolError  # noqa: E402
-from . import iov  # noqa: E402
-
-for _key in [key for key in os.environ if key.startswith("UCX_") and key not in _ucx_environ]:
-    del os.environ[_key]
-os.environ.update(_ucx_environ)
+from ..errors import PeerLost, ProtocolError
+from . import iov
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +35,8 @@ Arrival = Callable[[int, int, Any], None]
 """``on_arrival(tag, length, message)``: a message arrived that nobody posted a receive for."""
 
 _MAX_ROUNDS = 8  # progress rounds per wake-up before yielding to the loop
+_MAX_PROGRESS = 64  # worker progress calls per round
+_MAX_ARRIVALS = 64  # messages taken per watch per round: a flooding peer cannot hold the loop
 _FULL_REAP_EVERY = 16  # wake-ups between scans of every pending request (the front is checked always)
 _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
 _SPIN_MISSES = 3  # fruitless spins in a row after which a lane stops spinning (retried every 64 wake-ups)
@@ -59,8 +46,40 @@ _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the p
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
+ucx_api: Any = None
+"""ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
+_Array: Any = None
+_load_lock = threading.Lock()
+
+
+def load_ucxx() -> Any:
+    """Import ucxx on first use (never at import) and return its ``libucxx`` module.
+
+    UCX logs to stdout by default, where it would mix with a program's own output: unless
+    set, ``UCX_LOG_FILE=stderr`` (this only takes effect if UCX is not loaded yet).  Importing
+    ucxx writes UCX_* tunings for GPUs (UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE=cuda,
+    UCX_MAX_RNDV_RAILS, and UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows) into
+    os.environ, where every UCX context and every child process would pick them up: they are
+    undone; our contexts get what they need through :func:`new_context`'s config.
+    """
+    global ucx_api, _Array
+    with _load_lock:
+        if ucx_api is None:
+            os.environ.setdefault("UCX_LOG_FILE", "stderr")
+            before = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
+            import ucxx._lib.libucxx as api
+            from ucxx._lib.arr import Array
+
+            for key in [key for key in os.environ if key.startswith("UCX_") and key not in before]:
+                del os.environ[key]
+            os.environ.update(before)
+            ucx_api, _Array = api, Array
+    return ucx_api
+
+
 def new_context(tls: str, net_devices: str = "") -> Any:
     """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set)."""
+    load_ucxx()
     # Messages from 8 KiB on go by rendezvous, received straight into the target buffer (the
     # default threshold sends 64 KiB blocks eagerly through bounce buffers: ~10x slower here).
     config = {"TLS": tls, "RNDV_THRESH": "8192"}
@@ -80,6 +99,7 @@ class Lane:
 
     def __init__(self, context: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        load_ucxx()
         self._worker: Any = ucx_api.UCXWorker(
             context, enable_delayed_submission=False, enable_python_future=False
         )
@@ -89,6 +109,7 @@ class Lane:
         self._pending: deque[tuple[Any, Completion, object]] = deque()
         self._watches: list[tuple[Any, Any, Arrival]] = []
         self._raw_watches: list[tuple[int, int, Arrival]] = []
+        self._probe_info = iov.RecvInfo()
         self._drive_scheduled = False
         self._spin_misses = 0
         self._closed = False
@@ -139,9 +160,9 @@ class Lane:
         On a closed lane ``done`` runs at once with the reason it was closed.
         """
         if self._closed:
-            done(self._close_reason)
+            _run(done, self._close_reason)
             return
-        request = self._endpoint.tag_send(Array(buffer), ucx_api.UCXXTag(tag))
+        request = self._endpoint.tag_send(_Array(buffer), ucx_api.UCXXTag(tag))
         self._track(request, done, buffer)
 
     def watch(self, tag: int, mask: int, on_arrival: Arrival, *, raw: bool = False) -> None:
@@ -174,27 +195,27 @@ class Lane:
     def _post_raw(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
         """Post a :mod:`.iov` request over ``buffers`` and track it like a ucxx request."""
         if self._closed:
-            done(self._close_reason)
+            _run(done, self._close_reason)
             return
         vector = iov.iov_of(buffers)
         try:
             handle = post(vector)
         except OSError as exc:
-            done(exc)
+            _run(done, exc)
             return
         self._track(_RawRequest(handle), done, (buffers, vector))
 
     def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
         """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
         if self._closed:
-            done(self._close_reason)
+            _run(done, self._close_reason)
             return
         # The probe result owns the UCX message handle: keep it alive with the buffer.
-        self._track(self._worker.tag_recv_with_handle(Array(buffer), message), done, (buffer, message))
+        self._track(self._worker.tag_recv_with_handle(_Array(buffer), message), done, (buffer, message))
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
-            done(_request_error(request))
+            _run(done, _request_error(request))
             return
         self._pending.append((request, done, keepalive))
         self._schedule_drive()
@@ -202,33 +223,42 @@ class Lane:
     def _schedule_drive(self) -> None:
         if not self._drive_scheduled:
             self._drive_scheduled = True
-            self._loop.call_soon(self._drive)
+            self._loop.call_soon(self._scheduled_drive)
+
+    def _scheduled_drive(self) -> None:
+        # Only the scheduled call clears the flag: if any drive did (the event fd's too), every
+        # drive that posts a request would queue one more call and, under load, the calls
+        # queued per loop iteration would grow without bound.
+        self._drive_scheduled = False
+        self._drive()
 
     def _drive(self) -> None:
         """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
-        self._drive_scheduled = False
         if self._closed:
             return
         self.wakeups += 1
         worker = self._worker
         for round_ in range(_MAX_ROUNDS):
-            while worker.progress_once():
-                pass
+            for _ in range(_MAX_PROGRESS):
+                if not worker.progress_once():
+                    break
             if self._pending:
                 self._reap(everything=round_ == 0 and self.wakeups % _FULL_REAP_EVERY == 0)
-            if not self._closed:
-                self._take_arrivals()
+            more = False if self._closed else self._take_arrivals()
             if self._closed:  # a completion closed the lane
                 return
-            if self.expecting is not None and self._may_spin() and self.expecting():
+            if more:
+                break  # arrivals left in UCX's queue: come back after the loop's other work
+            if self.expecting is not None and self._may_spin() and self._expects():
                 if _spin(worker):
                     self._spin_misses = 0
                     continue  # something moved while we waited briefly: handle it now
                 self._spin_misses += 1
             if worker.arm():
                 return
-        # UCX still has work (a large transfer, or sends stuck towards a dead peer until the
-        # control plane notices): come back after the loop has run its other callbacks.
+        # UCX still has work (a large transfer, a flood of arrivals, or sends stuck towards a
+        # dead peer until the control plane notices): come back after the loop has run its
+        # other callbacks (other lanes, heartbeats), so no peer can starve the others.
         self._schedule_drive()
 
     expecting: Callable[[], bool] | None = None
@@ -236,25 +266,52 @@ class Lane:
     its payload).  The lane then polls the worker for up to ``_SPIN`` seconds before sleeping
     on the event fd, which saves a wake-up per hop; an idle lane never polls."""
 
+    def _expects(self) -> bool:
+        try:
+            return self.expecting is not None and self.expecting()
+        except Exception:  # guarded like every callback: the lane just does not spin
+            log.exception("a callback of a lane failed: %r", self.expecting)
+            return False
+
     def _may_spin(self) -> bool:
         """Spinning pays only when the peer answers within the window (another core); after a
         few misses (a peer on this thread, or a slow one) the lane stops trying for a while."""
         return self._spin_misses < _SPIN_MISSES or self.wakeups % 64 == 0
 
-    def _take_arrivals(self) -> None:
+    on_stray: Arrival | None = None
+    """Set by the owner: takes every message no watch matches (with :meth:`recv_arrived_many`),
+    so none stays in UCX's unexpected queue; unset, such messages are left there."""
+
+    def _take_arrivals(self) -> bool:
+        """Hand arrived messages to their watches, at most ``_MAX_ARRIVALS`` per watch; True
+        if some may be left (the caller comes back before sleeping)."""
+        more = False
         for tag, mask, on_arrival in self._watches:
-            while not self._closed:
+            for _ in range(_MAX_ARRIVALS):
+                if self._closed:
+                    return False
                 message = self._worker.tag_probe(tag, mask, remove=True)
                 if not message.matched:
                     break
-                on_arrival(message.sender_tag.value, message.length, message)
+                _run(on_arrival, message.sender_tag.value, message.length, message)
+            else:
+                more = True
         for raw_tag, raw_mask, on_raw in self._raw_watches:
-            while not self._closed:
-                found = iov.probe(self._worker, raw_tag, raw_mask)
-                if found is None:
-                    break
-                handle, sender_tag, length = found
-                on_raw(sender_tag, length, handle)
+            more = self._take_raw(raw_tag, raw_mask, on_raw) or more
+        if not more and self.on_stray is not None:  # every watched message is taken by now
+            more = self._take_raw(0, 0, self.on_stray)
+        return more
+
+    def _take_raw(self, tag: int, mask: int, on_raw: Arrival) -> bool:
+        for _ in range(_MAX_ARRIVALS):
+            if self._closed:
+                return False
+            found = iov.probe(self._worker, tag, mask, self._probe_info)
+            if found is None:
+                return False
+            handle, sender_tag, length = found
+            _run(on_raw, sender_tag, length, handle)
+        return True
 
     def _reap(self, everything: bool) -> None:
         """Run the completions of finished requests.
@@ -273,7 +330,7 @@ class Lane:
                 (finished if item[0].completed else still).append(item)
             self._pending = still
         for request, done, _ in finished:
-            done(_request_error(request))
+            _run(done, _request_error(request))
 
     def close(self, reason: BaseException | None = None) -> None:
         """Fail every pending request with ``reason``, then close the endpoint in the background.
@@ -298,7 +355,7 @@ class Lane:
         # stay referenced until the lane is released, or UCX would write into freed memory.
         self._orphans = pending
         for _request, done, _ in pending:
-            done(self._close_reason)
+            _run(done, self._close_reason)
         if self._endpoint is None:
             self._release()
             return
@@ -382,6 +439,15 @@ def _spin(worker: Any) -> bool:
         if worker.progress_once():
             return True
     return False
+
+
+def _run(callback: Callable[..., None], *args: Any) -> None:
+    """Call a completion or arrival callback.  Whatever it raises is logged and stops there:
+    it never unwinds through the lane's progress, which serves every other request."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("a callback of a lane failed: %r", callback)
 
 
 def _request_error(request: Any) -> BaseException | None:

@@ -5,6 +5,8 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
 * the sender posts a header (:class:`~omni_async.wire.WriteRequest` or
   :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message on
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
+  a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
+  into the peer's region instead and sends only a ``placed`` header;
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
@@ -22,11 +24,12 @@ violation: the transport reports it through ``fault`` and the owner drops the pe
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -49,7 +52,7 @@ from ..errors import (
 )
 from ..handshake import PeerInfo
 from ..metrics import Kind, Metrics
-from ..region import BlockRegion, plan_runs
+from ..region import BlockRegion, Run, plan_runs
 from ..wire import (
     DATA_KIND,
     FULL_MASK,
@@ -69,13 +72,14 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
+from .limits import Window, check_message, receive_budget, split_runs
+from .protocol import Inbox, Outbox
+from .shared import DirectWriter, open_writer
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
 log = logging.getLogger(__name__)
 
-MAX_EARLY = 4096
-"""Payload messages a lane may hold for headers it has not handled yet."""
 _GATHER_MAX_RUN = 256 * 1024
 """Writes whose runs average less than this many bytes are gathered into one message."""
 DRAIN_TIMEOUT = 2.0
@@ -123,13 +127,16 @@ class _Link:
 
     peer: PeerInfo
     lane: Lane
-    next_seq: int = 0
-    expected: dict[int, tuple[list[npt.NDArray[np.uint8]], Completion]] = field(default_factory=dict)
-    """Payload messages announced by a header and not arrived yet: seq -> (buffers, done)."""
-    early: dict[int, tuple[int, Any]] = field(default_factory=dict)
-    """Payload messages that arrived before their header was handled: seq -> (length, message)."""
+    inbox: Inbox[tuple[list[npt.NDArray[np.uint8]], Completion]] = field(init=False)
+    """Payload messages matched to their headers: each goes to (buffers, done); the buffers
+    may be shorter than the announced length (a refused write's payload is received into a
+    1-byte scratch buffer: UCX truncates it)."""
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
+    outbox: Outbox[Callable[[], None]] = field(init=False)
+    """Sequence numbers, requests waiting for the peer's window, answers awaited."""
+    scratch: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(1, np.uint8))
+    """Where refused or stray payloads go (UCX truncates them: nothing is allocated)."""
     gather: bool = False
     """Send each block write as one gathered message (peers on this host over shared memory:
     measured faster; over tcp one message per run is faster, see docs/tuning.md)."""
@@ -137,11 +144,16 @@ class _Link:
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
+    direct: DirectWriter | None = None
+    """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
+    block payloads go through UCX."""
 
-    def take_seq(self, count: int) -> int:
-        seq = self.next_seq
-        self.next_seq += count
-        return seq
+    receive_bytes: InitVar[int] = 0
+    """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
+
+    def __post_init__(self, receive_bytes: int) -> None:
+        self.outbox = Outbox(Window(self.peer.max_message_bytes))
+        self.inbox = Inbox(receive_bytes)
 
 
 class _Countdown:
@@ -213,11 +225,19 @@ class UcxTransport:
         self._check_open()
         if peer.peer_id in self._links:
             raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
-        link = _Link(peer, lane, gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp")
+        link = _Link(
+            peer,
+            lane,
+            gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
+            receive_bytes=receive_budget(self.config.max_message_bytes),
+        )
+        if self.config.same_host_lane:
+            link.direct = open_writer(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
-        lane.expecting = lambda: bool(link.sent or link.expected)
+        lane.on_stray = partial(self._stray_arrived, link)
+        lane.expecting = lambda: bool(link.sent) or link.inbox.expecting
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -232,6 +252,8 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
+        link.outbox.clear()
+        self._drop_direct(link)
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -241,30 +263,28 @@ class UcxTransport:
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
         else:
-            self._consume_early(link)
-            self.discard_lane(link.lane, error)
+            self._release_link(link, error)
         return True
 
-    @staticmethod
-    def _consume_early(link: _Link) -> None:
-        """Take payload messages whose header never came into scratch memory, so UCX is not
-        left holding probed messages nobody received."""
-        for length, message in link.early.values():
-            link.lane.recv_arrived_many([np.empty(length, np.uint8)], message, _ignore)
-        link.early.clear()
+    def _release_link(self, link: _Link, error: OmniAsyncError) -> None:
+        """Let go of everything a removed peer owned: payload messages whose header never came
+        are taken (truncated into scratch), so UCX is not left holding probed messages nobody
+        received; the buffers announced for it are dropped; its lane closes."""
+        for message in link.inbox.release():
+            link.lane.recv_arrived_many([link.scratch], message, _ignore)
+        self.discard_lane(link.lane, error)
 
     async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
         """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
         deadline = self._loop.time() + DRAIN_TIMEOUT
         try:
-            while not (link.peer_left and link.lane.in_flight == 0 and not link.expected):
+            while not (link.peer_left and link.lane.in_flight == 0 and not link.inbox.expecting):
                 if self._loop.time() > deadline:
                     log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
                     break
                 await asyncio.sleep(_DRAIN_TICK)  # only while a lane drains, at most DRAIN_TIMEOUT
         finally:
-            self._consume_early(link)
-            self.discard_lane(link.lane, error)
+            self._release_link(link, error)
 
     def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
         """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
@@ -299,6 +319,7 @@ class UcxTransport:
 
         Raises at once, before any byte moves: :class:`UnknownPeer`, :class:`InvalidBlocks`
         (unequal lengths, an index out of range or not an int), :class:`ClosedError`.
+        A write larger than the receiver takes in one request goes out as several.
         The local blocks must not change until the transfer settles.
         """
         self._check_open()
@@ -309,12 +330,29 @@ class UcxTransport:
         if not runs:
             self._settle(link, transfer.id, None)  # nothing to move: done, and not left in flight
             return transfer
-        # Many small runs: one gathered message (Python cost per message dominates).  Large
-        # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
-        gather = link.gather and len(runs) > 1 and transfer.nbytes < _GATHER_MAX_RUN * len(runs)
-        seq = link.take_seq(1 if gather else len(runs))
-        header = WriteRequest(transfer.id, seq, [(run.remote, run.length) for run in runs], gather)
-        on_sent = partial(self._sent, link, transfer.id)
+        # More runs or blocks than one request may carry (the receiver's limits): several
+        # requests under the same transfer id, settled by the last acknowledgement.
+        direct = link.direct
+        placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
+        requests: list[tuple[int, int, Callable[[], None]]] = []
+        for request in split_runs(runs, link.peer.max_write_blocks):
+            if placed:  # same host: copied straight into the peer's rows, no payload message
+                requests.append((0, 0, partial(self._place, link, transfer.id, request)))
+                continue
+            nbytes = sum(run.length for run in request) * block_len
+            # Many small runs: one gathered message (Python cost per message dominates).  Large
+            # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
+            gather = link.gather and len(request) > 1 and nbytes < _GATHER_MAX_RUN * len(request)
+            post = partial(self._post_write, link, transfer.id, request, gather)
+            requests.append((1 if gather else len(request), 0, post))
+        _carry_out(link.outbox.submit(transfer.id, requests))
+        return transfer
+
+    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool) -> None:
+        """Send one write request (within the receiver's limits) and its payload."""
+        seq = link.outbox.take_seq(1 if gather else len(runs))
+        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], gather)
+        on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
         array = self.region.array
@@ -324,26 +362,70 @@ class UcxTransport:
         else:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
-        return transfer
+
+    def _place(self, link: _Link, transfer_id: int, runs: list[Run]) -> None:
+        """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
+
+        A peer process that exited fails the transfer with PeerLost and is dropped (reported
+        through ``fault``, like a broken lane); any other failure (no permission) fails this
+        transfer only, with TransferFailed, and later writes go through UCX.  A request queued
+        before such a failure fails too (its window share was counted without payload).
+        """
+        direct = link.direct
+        if direct is None:
+            self._settle(link, transfer_id, TransferFailed("the same-host lane to the peer was closed"))
+            return
+        try:
+            direct.place(self.region.array, runs)
+        except OSError as exc:
+            self._drop_direct(link)
+            if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
+                lost = PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}")
+                self._settle(link, transfer_id, lost)
+                self._fault(link.peer.peer_id, lost)
+            else:
+                log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
+                self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
+            return
+        seq = link.outbox.take_seq(0)
+        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], placed=True)
+        link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
+
+    @staticmethod
+    def _drop_direct(link: _Link) -> None:
+        direct, link.direct = link.direct, None
+        if direct is not None:
+            direct.close()
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
 
         The frames are borrowed, not copied: keep them unchanged until the transfer settles.
+        Raises at once, before anything is sent: :class:`TypeError` (a key that is not a str,
+        meta that is not bytes, a frame without the buffer protocol), :class:`InvalidMessage`
+        (over a wire limit or the receiver's ``max_message_bytes``), :class:`UnknownPeer`,
+        :class:`ClosedError`.
         """
         self._check_open()
         link = self._link(peer_id)
         views = [_byte_view(frame) for frame in frames]
         sizes = [int(view.nbytes) for view in views]
+        check_message(key, meta, sizes, link.peer.max_message_bytes)
         transfer = self._new_transfer(link, sum(sizes), "messages")
-        seq = link.take_seq(1)
-        header = MessageHeader(transfer.id, seq, key, meta, sizes)
-        on_sent = partial(self._sent, link, transfer.id)
-        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         payload = [view for view in views if view.nbytes]
+        post = partial(self._post_message, link, transfer.id, key, meta, sizes, payload)
+        _carry_out(link.outbox.submit(transfer.id, [(1 if payload else 0, transfer.nbytes, post)]))
+        return transfer
+
+    def _post_message(
+        self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
+    ) -> None:
+        seq = link.outbox.take_seq(1)
+        header = MessageHeader(transfer_id, seq, key, meta, sizes)
+        on_sent = partial(self._sent, link, transfer_id)
+        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         if payload:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
-        return transfer
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
@@ -372,6 +454,8 @@ class UcxTransport:
         if sent is None:
             return  # settled already (cancelled, expired, acknowledged)
         sent.timer.cancel()
+        if self._links.get(link.peer.peer_id) is link:
+            _carry_out(link.outbox.forget(transfer_id))
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
             sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
@@ -401,10 +485,11 @@ class UcxTransport:
         link = self._links.get(transfer.peer_id)
         if link is None or transfer.id not in link.sent:
             return False
-        if mode == "wait":
-            return True
+        if mode == "wait" and link.outbox.posted(transfer.id):
+            return True  # nothing of it left this side if nothing was posted: settle now
         sent = link.sent.pop(transfer.id)
         sent.timer.cancel()
+        _carry_out(link.outbox.forget(transfer.id))
         self.metrics.settled(
             sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started, transfer.peer_id
         )
@@ -419,35 +504,55 @@ class UcxTransport:
         link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
 
     def _data_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
-        seq = tag & SEQ_MASK
-        entry = link.expected.pop(seq, None)
-        if entry is None:
-            if len(link.early) >= MAX_EARLY:
-                self._fault(link.peer.peer_id, ProtocolError(f"over {MAX_EARLY} payload messages without a header"))
-            else:
-                link.early[seq] = (length, message)
+        try:
+            take = link.inbox.arrived(tag & SEQ_MASK, length, message)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
             return
-        self._take_payload(link, seq, length, message, *entry)
+        if take is not None:
+            message, (buffers, done) = take
+            link.lane.recv_arrived_many(buffers, message, done)
 
-    def _expect(self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion) -> None:
-        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now)."""
-        early = link.early.pop(seq, None)
-        if early is None:
-            link.expected[seq] = (buffers, done)
+    def _stray_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
+        """A message no watch took: a header or payload that arrived after its watch looked
+        is handled as such; one on a tag this protocol never uses is taken (truncated into
+        scratch) and is a violation."""
+        if tag & KIND_MASK == DATA_KIND:
+            self._data_arrived(link, tag, length, message)
+        elif tag == HEADER_TAG and length <= MAX_HEADER_BYTES:
+            buffer = np.empty(length, np.uint8)
+            link.lane.recv_arrived_many([buffer], message, partial(self._on_header, link, buffer))
         else:
-            self._take_payload(link, seq, early[0], early[1], buffers, done)
+            link.lane.recv_arrived_many([link.scratch], message, _ignore)
+            self._fault(link.peer.peer_id, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
 
-    def _take_payload(
-        self, link: _Link, seq: int, length: int, message: Any, buffers: list[npt.NDArray[np.uint8]], done: Completion
-    ) -> None:
-        announced = sum(buffer.nbytes for buffer in buffers)
-        if length != announced:
-            self._fault(
-                link.peer.peer_id,
-                ProtocolError(f"payload message {seq} has {length} bytes, its header announced {announced}"),
-            )
-            return
-        link.lane.recv_arrived_many(buffers, message, done)
+    def _admit(self, link: _Link, seq: int, messages: int, nbytes: int) -> bool:
+        """Account a header's payload messages (``seq`` on) and chunk bytes against the
+        per-peer bounds (which the peer's sender window respects); a peer over them broke the
+        protocol and is dropped (returns False)."""
+        try:
+            link.inbox.admit(seq, messages, nbytes)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return False
+        return True
+
+    def _expect(
+        self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion, length: int = -1
+    ) -> bool:
+        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now);
+        False if that broke the protocol (the peer is dropped).
+
+        ``length`` is the announced size when the buffers are shorter (a truncated drain)."""
+        announced = sum(buffer.nbytes for buffer in buffers) if length < 0 else length
+        try:
+            take = link.inbox.expect(seq, announced, (buffers, done))
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return False
+        if take is not None:
+            link.lane.recv_arrived_many(buffers, take[0], done)
+        return True
 
     def _on_header(self, link: _Link, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
         if error is not None:
@@ -471,46 +576,61 @@ class UcxTransport:
             self._on_message(link, header)
 
     def _on_ack(self, link: _Link, ack: Ack) -> None:
-        error = error_from_code(ack.code, ack.reason) if ack.code else None
-        self._settle(link, ack.transfer_id, error)
+        settled, error, posts = link.outbox.answered(ack.transfer_id, ack.code, ack.reason)
+        if settled:
+            self._settle(link, ack.transfer_id, error_from_code(*error) if error else None)
+        _carry_out(posts)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
         array = self.region.array
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
-            self._drain(link, req, InvalidBlocks(str(exc)))
+            if req.placed:  # nothing to drain: no payload follows
+                log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
+                self._answer(link, req.transfer_id, "blocks", 0, InvalidBlocks(str(exc)))
+            else:
+                self._drain(link, req, InvalidBlocks(str(exc)))
             return
         finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
+        if req.placed:  # the sender already copied the rows into our region; no payload follows
+            finish(None)
+            return
+        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
+            return
         rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
         if req.gathered:
             self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
         else:
             parts = _Countdown(len(rows), finish)
             for i, row in enumerate(rows):
-                self._expect(link, req.seq + i, [row], parts.done)
+                if not self._expect(link, req.seq + i, [row], parts.done):
+                    return
 
     def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
-        """Receive a refused write's payload into scratch memory, then send the refusal."""
-        block_len = self.region.block_len
-        total = sum(count for _, count in req.runs)
-        if total > self.config.max_write_blocks or total * block_len > self.region.nbytes:
-            self._fault(link.peer.peer_id, ProtocolError(f"refused write is too large to drain: {reason}"))
+        """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
+        lingers in UCX's queues), then send the refusal."""
+        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
             return
+        block_len = self.region.block_len
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
         refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
         parts = _Countdown(1 if req.gathered else len(req.runs), lambda _error: refuse(reason))
         if req.gathered:
-            self._expect(link, req.seq, [np.empty(total * block_len, np.uint8)], parts.done)
+            total = sum(count for _, count in req.runs)
+            self._expect(link, req.seq, [link.scratch], parts.done, total * block_len)
         else:
             for i, (_, count) in enumerate(req.runs):
-                self._expect(link, req.seq + i, [np.empty(count * block_len, np.uint8)], parts.done)
+                if not self._expect(link, req.seq + i, [link.scratch], parts.done, count * block_len):
+                    return
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
         try:
             nbytes = validate_message(hdr, self.config.max_message_bytes)
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
+            return
+        if not self._admit(link, hdr.seq, 1 if nbytes else 0, nbytes):
             return
         frames = [np.empty(size, np.uint8) for size in hdr.frames]
         receiving = [frame for frame in frames if frame.nbytes]
@@ -523,6 +643,7 @@ class UcxTransport:
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
+        link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
         if error is not None or link.leaving:
             answer(error)  # a leaving peer's messages are not delivered (nor acknowledged)
@@ -535,6 +656,10 @@ class UcxTransport:
             pending = sink(link.peer.peer_id, hdr.key, hdr.meta, frames)
         except OmniAsyncError as exc:
             answer(exc)
+            return
+        except Exception as exc:  # a sink bug (or its decoder's) fails this message, not the lane
+            log.error("message sink failed on %r from %s", hdr.key, link.peer.peer_id, exc_info=exc)
+            answer(TransferFailed(f"the receiver failed: {exc!r}"))
             return
         if pending is None:
             answer(None)
@@ -587,6 +712,12 @@ class UcxTransport:
             return self._links[peer_id]
         except KeyError:
             raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
+
+
+def _carry_out(posts: list[Callable[[], None]]) -> None:
+    """Post the requests the lane protocol released, in order."""
+    for post in posts:
+        post()
 
 
 def _ignore(_error: BaseException | None) -> None:

@@ -23,6 +23,10 @@
   receives and verifies every chunk (:func:`omni_async.workload.receive`) and prints
   ``{"verified": ok chunks, "bad": corrupted + reordered + missing}``.
 
+A REGION_FILE ending in ``.memfd`` is not used: the region is allocated (in a memfd, see
+:mod:`omni_async.memfd`) instead of mapped from the file, and ``serve`` adds the process id
+and the memfd's ``fd`` and ``token`` to its first line.
+
 ``serve`` also prints ``{"event": "joined"|"left", "peer": id, "error": ErrorType, "at": t}``
 for every peer event, and ``{"tls": ...}`` (the UCX transports in use) after its address.
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -43,6 +48,8 @@ from omni_async.eventloop import run
 
 
 def region_file(path: str, num_blocks: int, block_len: int) -> BlockRegion:
+    if path.endswith(".memfd"):
+        return BlockRegion.allocate(num_blocks, block_len)
     return BlockRegion.wrap(np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, block_len)))
 
 
@@ -70,7 +77,9 @@ async def main(argv: list[str]) -> None:
             agent.add_peer_listener(lambda e: say({
                 "event": e.kind, "peer": e.peer_id, "at": time.monotonic(),
                 "error": type(e.error).__name__ if e.error else None}))
-            say({"address": agent.control_address, "peer_id": agent.peer_id})
+            segment = region.segment
+            shared = {"pid": os.getpid(), "fd": segment.fd, "token": segment.token} if segment else {}
+            say({"address": agent.control_address, "peer_id": agent.peer_id, **shared})
             say({"tls": agent.transport.ucx_config["TLS"]})
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, sys.stdin.read)

@@ -1,0 +1,167 @@
+"""The same-host lane: block writes that copy each byte once, straight into the peer's rows.
+
+Between two processes on one host, UCX's shared-memory rendezvous copies every byte twice
+(sender into UCX's segment, receiver out of it).  Here the sender copies the rows itself:
+
+* into the peer's region mapped into this process (:class:`MappedRegion`), when the peer's
+  region lives in a sealed memfd (every region made by ``BlockRegion.allocate``).  The peer
+  advertises ``(pid, fd, token)`` in its handshake (:class:`~omni_async.wire.RegionShare`);
+  we open ``/proc/<pid>/fd/<fd>``, check it is the memfd named by the token, of exactly the
+  handshake's ``num_blocks × block_len`` bytes and sealed against shrinking, map it and
+  close the fd at once.  Why ``/proc`` rather than passing the fd over a unix socket with
+  ``SCM_RIGHTS``: no second connection to set up, authenticate and tear down next to the
+  control plane, and the kernel applies the same rule as for ``process_vm_writev`` (ptrace
+  read access to the peer), so both variants need the same permission;
+* else with ``process_vm_writev`` into the peer's region at its ``base_addr``
+  (:class:`~.vmwrite.VmWriter`), once the peer proved the pid is its own: we read, in that
+  process, the random token it advertised at the address it advertised (so a peer cannot
+  point our writes at another process of the same user).
+
+Either way the transport then sends a small ``placed`` header over the UCX lane; the receiver
+checks the runs against its region and acknowledges as for any write, so a transfer still
+settles only on the receiver's acknowledgement.  No message makes the receiver write anything.
+
+Failure rules: our mapping keeps the peer's pages alive, so a peer killed mid-copy costs
+nothing here (its awaiters fail with PeerLost from the control plane, as over UCX); a memfd
+is never named in ``/dev/shm``, so a killed process leaks nothing.
+
+Trust model: a peer that maps our region (or may ``process_vm_writev`` into us) can write
+any row of it at any time, as a process that may ptrace us could.  The lane is only offered
+to peers with our ``host_id`` that passed the handshake (authenticated with CURVE, or a
+loopback demo), and ``AgentConfig.same_host_lane = False`` turns it off.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from ..handshake import PeerInfo
+from ..memfd import SIZE_SEALS, link_name
+from ..region import BlockRegion, Run
+from ..wire import RegionShare
+from .vmwrite import VmWriter, permit_writers, proof
+
+log = logging.getLogger(__name__)
+
+
+class DirectWriter(Protocol):
+    """Places blocks straight into one peer's region (see the module docstring)."""
+
+    @property
+    def kind(self) -> str:
+        """How (``memfd`` or ``process_vm_writev``), for logs and tests."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the peer's region this writer reaches (checked at connection)."""
+
+    def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        """Copy each run's blocks of ``src`` into the peer's blocks; the runs are already
+        bounded by both layouts.  Raises :class:`OSError` if the peer cannot be written."""
+
+    def close(self) -> None:
+        """Release what the writer holds (mapping, fds).  Idempotent."""
+
+
+class Refused(Exception):
+    """The peer's advertised region cannot be mapped; the message says why."""
+
+
+class MappedRegion:
+    """A peer's memfd region mapped into this process (``MAP_SHARED``)."""
+
+    kind: Final = "memfd"
+
+    def __init__(self, share: RegionShare, num_blocks: int, block_len: int) -> None:
+        """Open, check and map the memfd the peer advertised; raise :class:`Refused`."""
+        self.num_blocks = num_blocks
+        size = num_blocks * block_len
+        expected = link_name(share.token)
+        path = f"/proc/{share.pid}/fd/{share.fd}"
+        if share.fd < 0 or not share.token:
+            raise Refused("the peer's region is not in a memfd")
+        _check_link(path, expected)  # before opening: never open something else (a device, a fifo)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError as exc:
+            raise Refused(f"cannot open {path}: {exc.strerror}") from None
+        try:
+            _check_link(f"/proc/self/fd/{fd}", expected)  # the fd number was not reused meanwhile
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                raise Refused(f"{path} holds {info.st_size} bytes, the handshake announced {size}")
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+                raise Refused(f"{path} is not sealed against resizing")
+            self._mapping: mmap.mmap | None = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(fd)
+        self._rows: npt.NDArray[np.uint8] | None = np.frombuffer(self._mapping, np.uint8).reshape(
+            num_blocks, block_len
+        )
+
+    @property
+    def rows(self) -> npt.NDArray[np.uint8]:
+        """The peer's region as a 2-D array (only while open)."""
+        if self._rows is None:
+            raise OSError("the peer's region is unmapped")
+        return self._rows
+
+    def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        dst = self.rows
+        for local, remote, length in runs:
+            dst[remote : remote + length] = src[local : local + length]
+
+    def close(self) -> None:
+        self._rows = None
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            mapping.close()
+
+
+def _check_link(path: str, expected: str) -> None:
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        raise Refused(f"cannot read {path}: {exc.strerror}") from None
+    if target != expected:
+        raise Refused(f"{path} is {target!r}, not the advertised memfd")
+
+
+def advertise(region: BlockRegion) -> RegionShare | None:
+    """What this process offers same-host peers for ``region``: its memfd if it has one, else
+    ``process_vm_writev`` access (None if the kernel forbids even that)."""
+    segment = region.segment
+    if segment is not None and segment.shareable:
+        return RegionShare(pid=os.getpid(), fd=segment.fd, token=segment.token)
+    if not permit_writers():
+        return None
+    token, address = proof()
+    return RegionShare(pid=os.getpid(), token=token, proof_addr=address)
+
+
+def open_writer(peer: PeerInfo, host_id: str) -> DirectWriter | None:
+    """The direct writer for ``peer`` if it is on this host and offered one, else None (UCX).
+
+    Never raises: a refused offer is logged once (for this peer) and the lane stays on UCX.
+    """
+    share = peer.region_share
+    if share is None or not host_id or peer.host_id != host_id:
+        return None
+    try:
+        if share.fd >= 0:
+            return MappedRegion(share, peer.num_blocks, peer.block_len)
+        return VmWriter(share.pid, peer.base_addr, peer.num_blocks, share.token, share.proof_addr)
+    except (Refused, OSError) as exc:
+        log.warning("peer %s: no same-host lane, writing through UCX (%s)", peer.peer_id, exc)
+        return None

@@ -1,0 +1,145 @@
+"""One lane, or two lanes in one process, over real UCX workers."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from omni_async import TransferFailed
+from omni_async.transport.lane import Lane, new_context
+from omni_async.wire import FULL_MASK
+
+pytestmark = pytest.mark.timeout(60)
+
+TAG = 7
+
+
+async def lanes():
+    loop = asyncio.get_running_loop()
+    context = new_context("^cma", "lo")
+    sender, receiver = Lane(context, loop), Lane(context, loop)
+    sender.connect(receiver.address)
+    return sender, receiver
+
+
+async def close(*lanes):
+    for lane in lanes:
+        lane.close()
+    await asyncio.wait_for(asyncio.gather(*(lane.wait_closed() for lane in lanes)), 10)
+
+
+async def test_a_raising_callback_never_unwinds_through_progress(owned):
+    """An arrival callback and a completion that raise are logged; the lane keeps serving."""
+    sender, receiver = await lanes()
+    got: list[bytes] = []
+
+    def completed(buffer, error):
+        got.append(bytes(buffer))
+        raise RuntimeError("completion bug")
+
+    def arrived(_tag, length, message):
+        buffer = np.empty(length, np.uint8)
+        receiver.recv_arrived(buffer, message, lambda error: completed(buffer, error))
+        raise ValueError("arrival bug")
+
+    receiver.watch(TAG, FULL_MASK, arrived)
+    try:
+        for i in range(5):
+            sender.send(np.full(8, i, np.uint8), TAG, lambda error: None)
+            async with asyncio.timeout(5):
+                while len(got) <= i:
+                    await asyncio.sleep(0.001)
+        assert got == [bytes([i] * 8) for i in range(5)]
+    finally:
+        await close(sender, receiver)
+
+
+async def test_a_sink_that_raises_fails_its_message_with_a_failed_ack(make_agent):
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b")
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    got = []
+
+    def sink(peer, key, meta, frames):
+        if key == "bad":
+            raise ValueError("cannot reshape array of size 3 into shape (2,)")  # a decoder's error
+        got.append(key)
+
+    b.set_message_sink(sink)
+    with pytest.raises(TransferFailed, match="reshape"):
+        await asyncio.wait_for(a.send_message("b", "bad", b"", [b"xyz"]), 5)
+    await asyncio.wait_for(a.send_message("b", "good", b"", [b"xyz"]), 5)
+    assert got == ["good"]
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+def test_lanes_on_two_threads_never_see_each_others_probes():
+    """ctypes calls release the GIL: probe results live per lane, not in shared state."""
+    import threading
+
+    failures: list[str] = []
+    counts: list[int] = []
+
+    def hammer(kind: int, size: int) -> None:
+        async def run() -> None:
+            sender, receiver = await lanes()
+            seen = 0
+
+            def arrived(tag, length, message):
+                nonlocal seen
+                seen += 1
+                if tag >> 60 != kind or length != size:
+                    failures.append(f"lane {kind} probed tag {tag:#x} of {length} bytes")
+                receiver.recv_arrived_many([np.empty(length, np.uint8)], message, lambda error: None)
+
+            receiver.watch(0, 0, arrived, raw=True)
+            payload = np.ones(size, np.uint8)
+            try:
+                async with asyncio.timeout(30):
+                    for batch in range(40):
+                        for i in range(250):
+                            sender.send(payload, (kind << 60) | (batch * 250 + i), lambda error: None)
+                        while seen < (batch + 1) * 250:
+                            await asyncio.sleep(0)
+            finally:
+                counts.append(seen)
+                await close(sender, receiver)
+
+        asyncio.run(run())
+
+    threads = [threading.Thread(target=hammer, args=(kind, 64 * kind)) for kind in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == [], failures[:5]
+    assert counts == [10_000] * 3
+
+
+def test_importing_the_transport_has_no_side_effects():
+    """No environment edit and no UCX library loaded at import; both happen on first use
+    (ucxx's GPU UCX_* writes undone, UCX_LOG_FILE defaulted to stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import os, sys
+before = dict(os.environ)
+import omni_async.transport.iov
+import omni_async.transport.lane as lane
+assert "ucxx" not in sys.modules, "ucxx imported"
+assert dict(os.environ) == before, "environment edited at import"
+assert "libucp" not in open("/proc/self/maps").read(), "libucp loaded at import"
+lane.new_context("^cma", "lo")
+assert "ucxx" in sys.modules
+expected = {k: v for k, v in before.items() if k.startswith("UCX_")}
+expected.setdefault("UCX_LOG_FILE", "stderr")
+assert {k: v for k, v in os.environ.items() if k.startswith("UCX_")} == expected, os.environ
+print("ok")
+"""
+    env = {key: value for key, value in os.environ.items() if key != "UCX_LOG_FILE"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": root},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -1,0 +1,360 @@
+"""The same-host lane: one copy straight into the peer's rows (memfd mapping, else
+process_vm_writev), its checks, and kill -9 of either side in real separate processes."""
+
+import asyncio
+import fcntl
+import os
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+
+from omni_async import Agent, BlockRegion, InvalidBlocks, PeerLost, ProtocolError
+from omni_async.handshake import PeerInfo
+from omni_async.memfd import NAME_PREFIX, SharedSegment
+from omni_async.region import Run
+from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
+from omni_async.transport.vmwrite import VmWriter
+from omni_async.wire import HEADER_TAG, RegionShare, WriteRequest, decode_control, encode_control, encode_header
+
+from .conftest import FAST, fast_config
+
+pytestmark = pytest.mark.timeout(90)
+
+NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024
+KINDS = {"memfd": ".memfd", "process_vm_writev": ""}
+"""Direct-writer kind -> the peer helper's region file suffix that makes the peer offer it."""
+
+
+def dev_shm() -> set[str]:
+    """Entries of /dev/shm, less the bench's region files (``make bench`` may run alongside)."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("omni-bench-")}
+
+
+def mapped(token: str) -> list[str]:
+    """Lines of this process's memory map naming the memfd of ``token``."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if NAME_PREFIX + token in line]
+
+
+def open_fds_to(token: str) -> list[str]:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [link for link in links if NAME_PREFIX + token in link]
+
+
+def share_of(segment: SharedSegment, **changes):
+    return RegionShare(pid=changes.get("pid", os.getpid()), fd=changes.get("fd", segment.fd),
+                       token=changes.get("token", segment.token))
+
+
+def peer_info(share, host_id="h", num_blocks=4, block_len=4096, base_addr=0):
+    return PeerInfo("p", 1, b"", base_addr, num_blocks, block_len, "", host_id, share)
+
+
+def seal_free_memfd(token: str, size: int) -> int:
+    fd = os.memfd_create(NAME_PREFIX + token, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    return fd
+
+
+# -- the region and the mapping checks (no peer process) -----------------------------------------
+def test_allocated_region_lives_in_a_sealed_memfd_not_in_dev_shm():
+    before = dev_shm()
+    region = BlockRegion.allocate(4, 4096)
+    segment = region.segment
+    assert segment is not None and dev_shm() == before
+    assert os.readlink(f"/proc/self/fd/{segment.fd}") == f"/memfd:{NAME_PREFIX}{segment.token} (deleted)"
+    seals = fcntl.fcntl(segment.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+    with pytest.raises(PermissionError):
+        os.ftruncate(segment.fd, 4096)  # a peer's mapping can never lose its pages
+    assert not region.array.any()
+    fds = len(open_fds_to(segment.token))
+    segment.close()
+    segment.close()
+    assert not segment.shareable and len(open_fds_to(segment.token)) == fds - 1
+    assert BlockRegion.wrap(np.zeros((2, 8), np.uint8)).segment is None
+
+
+def test_mapping_our_own_segment_writes_the_same_memory():
+    region = BlockRegion.allocate(4, 4096)
+    fds = len(open_fds_to(region.segment.token))
+    writer = MappedRegion(share_of(region.segment), 4, 4096)
+    src = np.arange(4 * 4096, dtype=np.uint64).astype(np.uint8).reshape(4, 4096)
+    writer.place(src, [Run(0, 2, 2)])
+    assert np.array_equal(region.array[2:4], src[0:2]) and not region.array[:2].any()
+    assert len(mapped(region.segment.token)) == 2  # ours and the writer's
+    writer.close()
+    writer.close()
+    assert len(mapped(region.segment.token)) == 1  # the writer's mapping is gone
+    assert len(open_fds_to(region.segment.token)) == fds  # and so is its descriptor
+
+
+@pytest.mark.parametrize("case", ["token", "size", "pid", "fd", "not_memfd", "unsealed", "no_fd"])
+def test_mapping_refuses_anything_but_the_advertised_sealed_memfd(case, tmp_path):
+    region = BlockRegion.allocate(4, 4096)
+    segment = region.segment
+    share, num_blocks = share_of(segment), 4
+    extra_fds = []
+    if case == "token":
+        share = share_of(segment, token="0" * 32)
+    elif case == "size":
+        num_blocks = 8
+    elif case == "pid":
+        share = share_of(segment, pid=(1 << 22) + 1)
+    elif case == "fd":
+        share = share_of(segment, fd=segment.fd + 1000)
+    elif case == "not_memfd":  # a regular file at the advertised fd number
+        fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+        os.ftruncate(fd, 4 * 4096)
+        extra_fds.append(fd)
+        share = share_of(segment, fd=fd)
+    elif case == "unsealed":  # the right name, but it could shrink under our mapping
+        fd = seal_free_memfd("1" * 32, 4 * 4096)
+        extra_fds.append(fd)
+        share = share_of(segment, fd=fd, token="1" * 32)
+    elif case == "no_fd":
+        share = RegionShare(pid=os.getpid(), fd=-1, token=segment.token)
+    try:
+        with pytest.raises(Refused):
+            MappedRegion(share, num_blocks, 4096)
+        # open_writer falls back (UCX) instead of raising, and leaves nothing mapped
+        if case != "no_fd":
+            assert open_writer(peer_info(share, num_blocks=num_blocks), "h") is None
+        assert len(mapped(segment.token)) == 1
+    finally:
+        for fd in extra_fds:
+            os.close(fd)
+
+
+def test_open_writer_only_for_peers_on_this_host_that_offer_it():
+    region = BlockRegion.allocate(4, 4096)
+    share = share_of(region.segment)
+    assert open_writer(peer_info(share, host_id="other"), "h") is None
+    assert open_writer(peer_info(None), "h") is None
+    assert open_writer(peer_info(share, host_id=""), "") is None
+    writer = open_writer(peer_info(share), "h")
+    assert writer is not None and writer.kind == "memfd"
+    writer.close()
+    wrapped = BlockRegion.wrap(np.zeros((4, 4096), np.uint8))
+    offer = advertise(wrapped)
+    assert offer.fd == -1 and offer.proof_addr
+    vm = open_writer(peer_info(offer, base_addr=wrapped.base_addr), "h")
+    assert vm is not None and vm.kind == "process_vm_writev"
+    vm.place(np.full((4, 4096), 3, np.uint8), [Run(1, 2, 1)])
+    assert (wrapped.array[2] == 3).all() and not wrapped.array[[0, 1, 3]].any()
+    vm.close()
+    vm.close()
+    assert open_writer(peer_info(msgspec.structs.replace(offer, pid=(1 << 22) + 1)), "h") is None  # no such process
+
+
+async def test_process_vm_writev_needs_the_peers_proof():
+    """A peer cannot point our writes at another process: the advertised pid must hold the
+    advertised token at the advertised address."""
+    import sys
+
+    offer = advertise(BlockRegion.wrap(np.zeros((4, 4096), np.uint8)))
+    for forged in (msgspec.structs.replace(offer, token="0" * 32), msgspec.structs.replace(offer, proof_addr=offer.proof_addr + 32),
+                   msgspec.structs.replace(offer, token="")):
+        assert open_writer(peer_info(forged), "h") is None
+    other = await asyncio.create_subprocess_exec(sys.executable, "-c", "import sys; sys.stdin.read()",
+                                                 stdin=asyncio.subprocess.PIPE)
+    try:  # another process of ours, named with our own (valid) proof
+        assert open_writer(peer_info(msgspec.structs.replace(offer, pid=other.pid)), "h") is None
+    finally:
+        other.kill()
+        await other.wait()
+
+
+def test_vm_writer_to_an_exited_process_raises_esrch_and_this_process_lives():
+    import subprocess
+    import sys
+
+    code = "import sys; from omni_async.transport.vmwrite import proof; print(*proof(), flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    token, address = child.stdout.readline().split()
+    writer = VmWriter(child.pid, 0x10000, 1, token.decode(), int(address))
+    child.kill()
+    child.wait()
+    with pytest.raises(ProcessLookupError):
+        writer.place(np.zeros((1, 8), np.uint8), [Run(0, 0, 1)])
+    writer.close()
+    writer.close()
+
+
+def test_region_share_is_validated_on_the_wire():
+    good = RegionShare(pid=5, fd=3, token="a" * 32)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(good), type=RegionShare) == good
+    for bad in ([5, 3, "../../x"], [0, 3, ""], [5, -2, ""], [5, 3, "A" * 32, 1], [5, -1, "", -1], [5, 3, "", 0, 1]):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=RegionShare)
+    from omni_async.handshake import LocalIdentity
+
+    hello = LocalIdentity("x", 0, 1, 8, "", region_share=good).hello(b"a" * 20)
+    raw = msgspec.msgpack.decode(encode_control(hello))
+    raw[-1] = [5, 3, "zz"]
+    with pytest.raises(ProtocolError):
+        decode_control(msgspec.msgpack.encode(raw))
+
+
+# -- two agents in this process --------------------------------------------------------------------
+async def pair(make_agent, **config):
+    a = await make_agent(NUM_BLOCKS, 4096, peer_id="a", **config)
+    b = await make_agent(NUM_BLOCKS, 4096, peer_id="b", **config)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    await asyncio.wait_for(b.wait_for_peer("a"), 10)
+    return a, b
+
+
+async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
+    a, b = await pair(make_agent)
+    assert a.transport._links["b"].direct.kind == "memfd"
+    a.region.array[:] = np.random.default_rng(3).integers(0, 256, a.region.array.shape, dtype=np.uint8)
+    await asyncio.wait_for(a.write_blocks("b", [5, 6, 7, 1], [10, 11, 12, 0]), 5)
+    assert np.array_equal(b.region.array[[10, 11, 12, 0]], a.region.array[[5, 6, 7, 1]])
+    assert not b.region.array[1:10].any()
+    assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
+
+
+async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent):
+    """The rows are in place at once, yet the transfer waits for the receiver's answer."""
+    a, b = await pair(make_agent)
+    b.transport._answer = lambda *args: None  # fault injection: b never acknowledges
+    a.region.array[1] = 5
+    transfer = a.write_blocks("b", [1], [2])
+    assert (b.region.array[2] == 5).all()
+    await asyncio.sleep(0.2)
+    assert not transfer.done()
+    transfer.cancel()
+
+
+async def test_switch_off_keeps_blocks_on_ucx(make_agent):
+    a, b = await pair(make_agent, same_host_lane=False)
+    assert a.transport._links["b"].direct is None and a.identity.region_share is None
+    a.region.array[3] = 9
+    await asyncio.wait_for(a.write_blocks("b", [3], [4]), 5)
+    assert (b.region.array[4] == 9).all()
+
+
+async def test_placed_header_out_of_range_is_refused_and_writes_nothing(make_agent):
+    """Fault injection: a placed-write header naming rows beyond the receiver's region."""
+    a, b = await pair(make_agent)
+    link = a.transport._links["b"]
+    transfer = a.transport._new_transfer(link, 2 * 4096, "blocks")
+    header = WriteRequest(transfer.id, link.next_seq, [(NUM_BLOCKS - 1, 2)], placed=True)
+    link.lane.send(encode_header(header), HEADER_TAG, lambda _error: None)
+    with pytest.raises(InvalidBlocks, match="exceeds the region"):
+        await asyncio.wait_for(transfer, 5)
+    assert not b.region.array.any()
+    a.region.array[2] = 7
+    await asyncio.wait_for(a.write_blocks("b", [2], [3]), 5)  # the pair keeps working
+    assert (b.region.array[3] == 7).all() and set(b.peers) == {"a"}
+
+
+async def test_removing_a_peer_unmaps_its_region(make_agent):
+    a, b = await pair(make_agent)
+    token = b.region.segment.token
+    fds = len(open_fds_to(token))
+    assert len(mapped(token)) == 2  # b's own mapping and a's mapping of it
+    await a.remove_peer("b")
+    assert len(mapped(token)) == 1
+    assert len(open_fds_to(token)) < fds  # a's descriptor (held by its mapping) is closed too
+
+
+# -- two processes, kill -9 of either side ----------------------------------------------------------
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_writes_land_in_the_other_process_with_one_copy(make_agent, spawn_peer, tmp_path, kind):
+    path = str(tmp_path / "region") + KINDS[kind]
+    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
+    agent.region.array[:] = np.random.default_rng(7).integers(0, 256, agent.region.array.shape, dtype=np.uint8)
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    assert agent.transport._links["rx"].direct.kind == kind
+    local, remote = [3, 9, 10, 11, 40, 2], [50, 0, 1, 2, 33, 20]
+    await asyncio.wait_for(agent.write_blocks("rx", local, remote), 10)
+    if kind == "memfd":  # look at the peer's memory the way the lane does
+        view = MappedRegion(RegionShare(pid=peer.info["pid"], fd=peer.info["fd"], token=peer.info["token"]),
+                            NUM_BLOCKS, BLOCK_LEN)
+        theirs = view.rows.copy()
+        view.close()
+    else:
+        theirs = np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN))
+    expected = np.zeros_like(agent.region.array)
+    expected[remote] = agent.region.array[local]
+    assert np.array_equal(theirs, expected)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path, kind):
+    """The kill lands while this process copies into the receiver's rows: this process lives,
+    every awaiter settles (failures are PeerLost) in time, nothing is left in /dev/shm, and
+    the receiver's memory is unmapped once the peer is dropped."""
+    before = dev_shm()
+    peer = await spawn_peer("serve", str(tmp_path / "region") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    assert agent.transport._links["rx"].direct.kind == kind
+    everything = list(range(NUM_BLOCKS))
+    await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
+
+    killer = threading.Timer(0.1, peer.proc.kill)  # a thread: it lands while the loop copies
+    killer.start()
+    transfers = []
+    started = time.monotonic()
+    while time.monotonic() - started < 0.4 and "rx" in agent.transport.peer_ids:  # 4 MiB per write
+        transfers.append(agent.write_blocks("rx", everything, everything))
+        await asyncio.sleep(0)
+    killed_at = started + 0.1
+    killer.join()
+    results = await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 15)
+    elapsed = time.monotonic() - killed_at
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert failures, "no transfer was in flight at the kill"
+    assert all(isinstance(r, PeerLost) for r in failures), {type(r) for r in failures}
+    assert elapsed < FAST["heartbeat_timeout"] + 2.0
+    assert agent.peers == {}
+    await asyncio.wait_for(peer.proc.wait(), 10)
+    if kind == "memfd":
+        assert mapped(peer.info["token"]) == [] and open_fds_to(peer.info["token"]) == []
+    assert dev_shm() <= before
+    peer2 = await spawn_peer("serve", str(tmp_path / "region2") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN,
+                             {"peer_id": "rx2"})
+    await asyncio.wait_for(agent.connect(peer2.info["address"]), 10)
+    await asyncio.wait_for(agent.write_blocks("rx2", [1], [2]), 10)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_sender_killed_mid_write_receiver_keeps_serving(owned, spawn_peer, tmp_path, kind):
+    """The writer maps (or process_vm_writes into) this process's region and is killed while
+    writing: this process notices in time, keeps serving, and nothing is left in /dev/shm."""
+    before = dev_shm()
+    region = BlockRegion.allocate(NUM_BLOCKS, BLOCK_LEN) if kind == "memfd" else \
+        BlockRegion.wrap(np.zeros((NUM_BLOCKS, BLOCK_LEN), np.uint8))
+    agent = Agent(region, fast_config(peer_id="rx"))
+    owned.append(agent)
+    await agent.start()
+    writer = await spawn_peer("write", str(tmp_path / "w.memfd"), NUM_BLOCKS, BLOCK_LEN,
+                              {"peer_id": "tx"}, agent.control_address)
+    assert writer.info == {"connected": "rx"}
+    await asyncio.sleep(0.2)  # let it write for a while
+    assert agent.stats()["received.blocks.ok"] > 0
+    writer.kill()
+    killed_at = time.monotonic()
+    while "tx" in agent.peers:
+        assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(writer.proc.wait(), 10)
+    other = await spawn_peer("serve", str(tmp_path / "o") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "o"})
+    await asyncio.wait_for(agent.connect(other.info["address"]), 10)
+    agent.region.array[5] = 42
+    await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
+    assert dev_shm() <= before
+
