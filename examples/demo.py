@@ -30,19 +30,20 @@ def main() -> int:
         sender = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "sender.py"), address], stdout=subprocess.PIPE, text=True, env=env
         )
-        sent, _ = sender.communicate(timeout=TIMEOUT)
+        sent_line, _ = sender.communicate(timeout=TIMEOUT)
         out, _ = receiver.communicate(timeout=TIMEOUT)
-        summary = json.loads(out.strip().splitlines()[-1])
-        print(f"sender:   {sent.strip()}")
+        got, sent = json.loads(out.strip().splitlines()[-1]), json.loads(sent_line)
+        bad_chunks = got["chunks_expected"] - got["ok_chunks"]
+        print(f"sender:   {sent_line.strip()}")
         print(
-            f"summary:  {summary['requests']} requests, {summary['chunks']}/{summary['chunks_expected']} chunks "
-            f"({summary['bad_chunks']} bad), {summary['blocks']} blocks ({summary['bad_blocks']} bad), "
-            f"{summary['bytes'] / 1e6:.1f} MB; chunks {summary['chunks_per_s']}/s {summary['chunk_MBps']} MB/s, "
-            f"latency (all chunks queued at once) p50 {summary['latency_p50_us']} us "
-            f"p99 {summary['latency_p99_us']} us; "
-            f"blocks {summary['block_GBps']} GB/s -> {'OK' if summary['ok'] else 'FAILED'}"
+            f"summary:  {sent['requests']} requests, {got['ok_chunks']}/{got['chunks_expected']} chunks "
+            f"({bad_chunks} bad), {got['blocks']} blocks ({got['bad_blocks']} bad), "
+            f"{(got['bytes'] + sent['blocks'] * sent['block_bytes']) / 1e6:.1f} MB; "
+            f"chunks {sent['chunks_per_s']}/s {sent['chunk_MBps']} MB/s, "
+            f"ack latency (all requests at once) p50 {sent['latency_p50_us']} us p99 {sent['latency_p99_us']} us; "
+            f"blocks {sent['block_GBps']} GB/s -> {'OK' if got['ok'] else 'FAILED'}"
         )
-        return 0 if summary["ok"] and sender.returncode == 0 and receiver.returncode == 0 else 1
+        return 0 if got["ok"] and sender.returncode == 0 and receiver.returncode == 0 else 1
     finally:
         for proc in (sender, receiver):
             if proc is not None and proc.poll() is None:

@@ -1,9 +1,10 @@
-"""Demo sender: streams chunks for many concurrent requests and writes KV blocks.
+"""Demo sender: writes KV blocks, then streams 64 requests × 32 chunks to the receiver.
 
     python examples/sender.py tcp://127.0.0.1:PORT
 
-Connects to the receiver, writes scattered KV blocks, streams ``REQUESTS × CHUNKS`` chunks (all
-requests at once, each in order), then tells the receiver which blocks it wrote.
+Writes 192 scattered KV blocks into the receiver's region, announces a chunk plan and streams it
+through a TransferAdapter (all requests at once, each in order; omni_async.workload makes the
+chunks), then tells the receiver which blocks it wrote and their CRC-32s.  Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -13,52 +14,44 @@ import asyncio
 import json
 import sys
 import time
+import zlib
 
 import numpy as np
-import workload as wl
 
+from omni_async import workload
 from omni_async.config import ServiceConfig, load_config
 from omni_async.eventloop import run
 from omni_async.service import ConnectorService
 
+NUM_BLOCKS, BLOCK_LEN, WRITTEN = 256, 64 * 1024, 192
+PLAN = workload.Plan(stage="thinker-talker", requests=64, chunks=32, sizes=tuple(range(2048, 62 * 1024, 2048)))
+
 
 async def main(address: str) -> int:
-    config = load_config(
-        {"agent": {"peer_id": "thinker"}, "region": {"num_blocks": wl.NUM_BLOCKS, "block_len": wl.BLOCK_LEN}},
-        schema=ServiceConfig,
-    )
+    region = {"num_blocks": NUM_BLOCKS, "block_len": BLOCK_LEN}
+    config = load_config({"agent": {"peer_id": "thinker"}, "region": region}, schema=ServiceConfig)
     async with ConnectorService(config) as svc:
-        for block in range(wl.NUM_BLOCKS):
-            svc.region.array[block] = wl.block_pattern(block)
-        receiver = await svc.agent.connect(address)
-        await svc.connector.put(receiver, "demo:manifest", {"requests": wl.REQUESTS, "chunks": wl.CHUNKS})
         rng = np.random.default_rng(5)
-        local = rng.permutation(wl.NUM_BLOCKS)[:192].tolist()
-        remote = rng.permutation(wl.NUM_BLOCKS)[:192].tolist()
-        # The first write pays one-time costs (UCX wire-up, first touch of the receiver's pages):
-        # time the second, identical one.
-        for _ in range(2):
+        svc.region.array[:] = rng.integers(0, 256, svc.region.array.shape, dtype=np.uint8)
+        local, remote = (rng.permutation(NUM_BLOCKS)[:WRITTEN].tolist() for _ in range(2))
+        receiver = await svc.agent.connect(address)
+        for _ in range(2):  # the first write pays one-time costs (UCX wire-up, first touch): time the second
             started = time.perf_counter()
-            await asyncio.gather(
-                *(svc.agent.write_blocks(receiver, local[i : i + 64], remote[i : i + 64]) for i in range(0, 192, 64))
-            )
+            await asyncio.gather(*(svc.agent.write_blocks(receiver, local[i : i + 64], remote[i : i + 64])
+                                   for i in range(0, WRITTEN, 64)))
             block_seconds = time.perf_counter() - started
-        gbps = round(192 * wl.BLOCK_LEN / block_seconds / 1e9, 2)
-        adapter = svc.adapter(wl.STAGE, peer_id=receiver)
 
-        async def produce(request: int) -> None:
-            for index in range(wl.CHUNKS):
-                chunk = wl.make_chunk(request, index)
-                chunk["sent_at"] = time.time()
-                await adapter.save(f"req-{request}", chunk, final=index == wl.CHUNKS - 1)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(produce(r) for r in range(wl.REQUESTS)))
-        chunk_seconds = time.perf_counter() - started
-
-        await svc.connector.put(receiver, "demo:blocks", {"local": local, "remote": remote, "gbps": gbps})
-        print(json.dumps({"sent_chunks": wl.REQUESTS * wl.CHUNKS, "chunk_seconds": round(chunk_seconds, 3),
-                          "blocks": len(local), "block_GBps": gbps}), flush=True)
+        await workload.announce(svc, receiver, PLAN, 0)
+        sent = await workload.send(svc.adapter(PLAN.stage, peer_id=receiver), PLAN)
+        crcs = [zlib.crc32(svc.region.array[b]) for b in local]
+        await svc.connector.put(receiver, "demo:blocks", {"remote": remote, "crcs": crcs})
+        p50, p99 = np.percentile(np.array(sent.latencies) * 1e6, [50, 99]).round(1).tolist()
+        print(json.dumps({
+            "requests": PLAN.requests, "chunks": sent.chunks, "chunks_per_s": round(sent.chunks / sent.seconds),
+            "chunk_MBps": round(sent.bytes / sent.seconds / 1e6, 1), "latency_p50_us": p50, "latency_p99_us": p99,
+            "blocks": WRITTEN, "block_bytes": BLOCK_LEN,
+            "block_GBps": round(WRITTEN * BLOCK_LEN / block_seconds / 1e9, 2),
+        }), flush=True)
     return 0
 
 

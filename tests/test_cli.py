@@ -18,6 +18,7 @@ import pytest
 
 from omni_async import cli
 from omni_async.auth import check_key, public_key
+from omni_async.cli import checkout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -224,8 +225,14 @@ def test_bench_delegates_to_the_checkout() -> None:
 
 
 def test_demo_and_bench_without_a_checkout_say_so(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cli, "_checkout_with", lambda _relative: None)
+    monkeypatch.setattr(checkout, "find_checkout", lambda _relative: None)
     assert cli.main(["demo"]) == cli.EXIT_USAGE
     assert "examples/demo.py" in capsys.readouterr().err
     assert cli.main(["bench", "blocks"]) == cli.EXIT_USAGE
     assert "bench/" in capsys.readouterr().err
+
+
+def test_send_refuses_requests_without_chunks() -> None:
+    """A request of zero chunks has no final chunk, so its receiver could only wait for a stall."""
+    result = omni("send", "tcp://127.0.0.1:1", "--chunks", "0")
+    assert result.returncode == 2 and "must be >= 1" in result.stderr

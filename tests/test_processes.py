@@ -129,16 +129,18 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spa
 async def test_chunk_streams_across_processes_and_a_receiver_restart(make_service, spawn_peer, tmp_path):
     """Ordered streams into another process; the receiver is killed mid-stream and replaced:
     the sender's saves fail with PeerLost, and the same requests then stream to the new one."""
-    from .helpers.peer import chunk
+    from omni_async import workload
 
     tx = await make_service("tx")
-    sender = tx.adapter("s", peer_id="rx")
-    requests = [f"r{i}" for i in range(16)]
+    plan = workload.Plan(stage="s", requests=16, chunks=100, sizes=tuple(4 * (2048 + i) for i in range(100)))
+    sender = tx.adapter(plan.stage, peer_id="rx")
+    requests = [plan.request_id(r) for r in range(plan.requests)]
 
     async def stream_all(rx_peer):
         await asyncio.wait_for(tx.agent.connect(rx_peer.info["address"]), 10)
-        await tx.connector.put("rx", "plan", {"requests": requests, "chunks": 100})
-        return [sender.save_async(r, chunk(r, i), final=i == 99) for i in range(100) for r in requests]
+        await workload.announce(tx, "rx", plan, 0)
+        return [sender.save_async(plan.request_id(r), workload.make_chunk(plan, r, i), final=i == 99)
+                for i in range(100) for r in range(plan.requests)]
 
     first = await spawn_peer("streams", str(tmp_path / "a"), 1, 4096, {"peer_id": "rx"})
     saves = await stream_all(first)

@@ -19,9 +19,9 @@
 
 ``python -m tests.helpers.peer streams REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
   runs a ConnectorService (the config is its ``agent`` section), prints ``{"address": ...}``,
-  then repeatedly takes a plan ``{"requests": [...], "chunks": n}`` (key ``plan``), consumes
-  every request's chunk stream (stage ``s``), checks each chunk against :func:`chunk` and
-  prints ``{"verified": chunks, "bad": count}``.
+  waits for one sender, then for each :class:`omni_async.workload.Plan` it announces (0, 1, ...)
+  receives and verifies every chunk (:func:`omni_async.workload.receive`) and prints
+  ``{"verified": ok chunks, "bad": corrupted + reordered + missing}``.
 
 A REGION_FILE ending in ``.memfd`` is not used: the region is allocated (in a memfd, see
 :mod:`omni_async.memfd`) instead of mapped from the file, and ``serve`` adds the process id
@@ -34,6 +34,7 @@ for every peer event, and ``{"tls": ...}`` (the UCX transports in use) after its
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -88,13 +89,8 @@ async def main(argv: list[str]) -> None:
             await pump(agent, argv[5])
 
 
-def chunk(request: str, index: int) -> dict[str, Any]:
-    """The chunk ``index`` of ``request`` in ``streams`` tests (a pure function of both)."""
-    seed = sum(request.encode()) * 1000 + index
-    return {"x": np.random.default_rng(seed).integers(0, 1 << 30, 2048 + index, dtype=np.int32), "i": index}
-
-
 async def streams(path: str, config: dict[str, Any]) -> None:
+    from omni_async import workload
     from omni_async.config import ServiceConfig
     from omni_async.service import ConnectorService
 
@@ -102,21 +98,11 @@ async def streams(path: str, config: dict[str, Any]) -> None:
                            environ={}, schema=ServiceConfig)
     async with ConnectorService(settings) as svc:
         say({"address": svc.control_address})
-        adapter = svc.adapter("s")
-        while True:
-            plan = await svc.connector.get("plan")
-            svc.connector.discard("plan")
-
-            async def check(request: str) -> tuple[int, int]:
-                seen = bad = 0
-                async for got in adapter.stream(request):
-                    want = chunk(request, got.index)
-                    bad += got.index != seen or not np.array_equal(got.data["x"], want["x"])
-                    seen += 1
-                return seen, bad
-
-            results = await asyncio.gather(*(check(r) for r in plan["requests"]))
-            say({"verified": sum(r[0] for r in results), "bad": sum(r[1] for r in results)})
+        sender = await svc.agent.wait_for_peer()
+        for number in itertools.count():
+            plan = await workload.next_plan(svc, sender, number)
+            summary = await workload.receive(svc.adapter(plan.stage, source=sender), plan)
+            say({"verified": summary.ok_chunks, "bad": summary.bad})
 
 
 async def write(agent: Agent, address: str, first: str = "0", count: str = "", once: str = "") -> None:
