@@ -64,6 +64,7 @@ from ..wire import (
     DataHeader,
     Goodbye,
     MessageHeader,
+    RingOffer,
     WriteRequest,
     data_tag,
     decode_header,
@@ -74,7 +75,9 @@ from ..wire import (
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, receive_budget, split_runs
 from .protocol import Inbox, Outbox
-from .shared import DirectWriter, open_writer
+from .ring import RingError
+from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
+from .shared import DirectWriter, Refused, open_writer
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -147,6 +150,11 @@ class _Link:
     direct: DirectWriter | None = None
     """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
     block payloads go through UCX."""
+    ring_in: RingReceiver | None = None
+    """The ring this peer writes headers and chunk messages into (same host, see
+    :mod:`.samehost`); None: they come over UCX."""
+    ring_out: RingSender | None = None
+    """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
@@ -240,8 +248,66 @@ class UcxTransport:
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
         lane.on_stray = partial(self._stray_arrived, link)
-        lane.expecting = lambda: bool(link.sent) or link.inbox.expecting
+        # Acknowledgements come through the ring once there is one: the lane need not spin.
+        lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
+        self._offer_ring(link)
         return replaced
+
+    def _offer_ring(self, link: _Link) -> None:
+        """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
+        if not (self.config.same_host_lane and self.host_id and link.peer.host_id == self.host_id):
+            return
+        try:
+            ring = RingReceiver(
+                self._loop,
+                partial(self._ring_record, link),
+                partial(self._ring_broke, link),
+                lambda: bool(link.sent),
+            )
+        except OSError as exc:
+            log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
+            return
+        link.ring_in = ring
+        link.lane.send(encode_header(ring.offer()), HEADER_TAG, _ignore)
+
+    def _on_ring_offer(self, link: _Link, offer: RingOffer) -> None:
+        """The peer offers its ring: send through it from now on (if it can be mapped)."""
+        if link.ring_out is not None or link.ring_in is None:
+            log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
+            return
+        try:
+            link.ring_out = RingSender(offer)
+        except (Refused, OSError, ValueError) as exc:
+            log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
+
+    def _ring_record(self, link: _Link, kind: int, payload: memoryview) -> None:
+        """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
+        header = decode_header(payload)
+        if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
+            self._on_ring_message(link, header, payload)
+        elif kind == KIND_HEADER and not isinstance(header, MessageHeader):
+            self._handle_header(link, header)
+        else:
+            raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
+
+    def _ring_broke(self, link: _Link, error: ProtocolError) -> None:
+        link.ring_in = None
+        self._fault(link.peer.peer_id, error)
+
+    def _send_header(self, link: _Link, header: DataHeader, done: Completion) -> None:
+        """Send a header through the peer's ring if there is one with room, else over UCX."""
+        data = encode_header(header)
+        ring = link.ring_out
+        if ring is not None:
+            try:
+                if ring.send(KIND_HEADER, (data,)):
+                    return
+            except RingError as exc:
+                self._fault(link.peer.peer_id, exc)
+                return
+            if ring.broken is not None:
+                self._drop_ring_out(link)
+        link.lane.send(data, HEADER_TAG, done)
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -258,6 +324,7 @@ class UcxTransport:
         error = error or PeerLost(f"peer {peer_id!r} removed")
         link.outbox.clear()
         self._drop_direct(link)
+        self._drop_rings(link)
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -393,13 +460,25 @@ class UcxTransport:
             return
         seq = link.outbox.take_seq(0)
         header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], placed=True)
-        link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
+        self._send_header(link, header, partial(self._sent, link, transfer_id))
 
     @staticmethod
     def _drop_direct(link: _Link) -> None:
         direct, link.direct = link.direct, None
         if direct is not None:
             direct.close()
+
+    @staticmethod
+    def _drop_ring_out(link: _Link) -> None:
+        ring, link.ring_out = link.ring_out, None
+        if ring is not None:
+            ring.close()
+
+    def _drop_rings(self, link: _Link) -> None:
+        self._drop_ring_out(link)
+        ring, link.ring_in = link.ring_in, None
+        if ring is not None:
+            ring.close()
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
@@ -424,12 +503,34 @@ class UcxTransport:
     def _post_message(
         self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
     ) -> None:
+        ring = link.ring_out
+        if ring is not None and self._ring_message(link, ring, transfer_id, key, meta, sizes, payload):
+            return
         seq = link.outbox.take_seq(1)
         header = MessageHeader(transfer_id, seq, key, meta, sizes)
         on_sent = partial(self._sent, link, transfer_id)
         link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         if payload:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
+
+    def _ring_message(
+        self, link: _Link, ring: RingSender, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
+    ) -> bool:
+        """Put a chunk message (header and frames, one record) into the peer's ring; False if
+        it is too large or the ring has no room now (it goes over UCX then)."""
+        data = encode_header(MessageHeader(transfer_id, link.outbox.take_seq(0), key, meta, sizes))
+        if len(data) + sum(sizes) > ring.max_payload:
+            return False
+        try:
+            if ring.send(KIND_MESSAGE, [data, *(frame.data for frame in payload)]):
+                return True
+        except RingError as exc:
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
+            self._fault(link.peer.peer_id, exc)
+            return True
+        if ring.broken is not None:
+            self._drop_ring_out(link)
+        return False
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
@@ -566,7 +667,13 @@ class UcxTransport:
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
             return
+        self._handle_header(link, header)
+
+    def _handle_header(self, link: _Link, header: DataHeader) -> None:
+        """A header from the peer, over UCX or through its ring."""
         if isinstance(header, Goodbye):
+            if link.ring_in is not None:
+                link.ring_in.run()  # what the peer put into the ring before it left comes first
             link.peer_left = True
             if not link.leaving:  # the peer leaves first: drain, and tell the owner
                 gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
@@ -576,6 +683,8 @@ class UcxTransport:
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
             self._on_write(link, header)
+        elif isinstance(header, RingOffer):
+            self._on_ring_offer(link, header)
         else:
             self._on_message(link, header)
 
@@ -644,6 +753,20 @@ class UcxTransport:
         else:
             deliver(None)
 
+    def _on_ring_message(self, link: _Link, hdr: MessageHeader, record: memoryview) -> None:
+        """A chunk message whose frames follow its header in a ring record: copy them out
+        (the record is valid only during this call) and deliver.  Raises ProtocolError."""
+        nbytes = validate_message(hdr, self.config.max_message_bytes)
+        offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
+        if offset + nbytes != len(record):
+            raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
+        link.inbox.admit(hdr.seq, 0, nbytes)
+        frames = []
+        for size in hdr.frames:
+            frames.append(np.frombuffer(record, np.uint8, size, offset).copy())
+            offset += size
+        self._deliver(link, hdr, frames, nbytes, None)
+
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
@@ -694,7 +817,7 @@ class UcxTransport:
             ack = Ack(transfer_id, error.code, str(error)[:1000])
         else:
             ack = Ack(transfer_id, TransferFailed.code, f"receive failed: {error}"[:1000])
-        link.lane.send(encode_header(ack), HEADER_TAG, _ignore)
+        self._send_header(link, ack, _ignore)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def close(self) -> None:
