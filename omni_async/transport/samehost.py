@@ -187,6 +187,7 @@ class RingSender:
             mapping.close()
             raise
         self._mapping = mapping
+        self.token = offer.token
         self._producer = Producer(memoryview(mapping))
         self.max_payload = max_payload(capacity)
         self.broken: OSError | None = None
