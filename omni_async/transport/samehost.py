@@ -10,11 +10,14 @@ and from then on writes into it with a :class:`RingSender`.  The UCX lane still 
 everything else (non-placed block payloads, goodbyes, messages larger than the ring) and is
 the fallback whenever the ring is full.
 
-Wake-up rule: the receiver runs from the pipe's ``loop.add_reader`` callback, takes every
-record, then spins on the ring's head for at most ``SPIN`` seconds while its owner expects an
-answer (a transfer awaits its acknowledgement), then marks itself asleep (odd epoch) and
-sleeps; a sender writes one byte into the pipe after a record only when the receiver sleeps,
-once per sleep.  An idle pair costs nothing.
+Wake-up rule: the receiver runs in turns, from the pipe's ``loop.add_reader`` callback or
+soon after this side sent a request (:meth:`RingReceiver.kick`).  A turn takes the records
+published so far (one batch) and, if there were some, comes back after the callbacks they
+woke; a turn that finds none spins on the ring's head for at most ``SPIN`` seconds if an
+answer is expected (a transfer awaits its acknowledgement) or records came in the last turn,
+then marks itself asleep (odd epoch) and sleeps.  A sender writes one byte into the pipe
+after a record only when the receiver sleeps, once per sleep.  An idle pair costs nothing:
+one fruitless spin after the last record, then both sides sleep.
 
 Failure rules: a killed receiver leaves its ring mapped here (our mapping keeps the pages; a
 wake-up write fails with EPIPE and the sender falls back to UCX); a killed sender just stops
@@ -48,6 +51,7 @@ KIND_MESSAGE: Final = 2
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping."""
+_SPIN_MISSES: Final = 3
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
@@ -81,6 +85,9 @@ class RingReceiver:
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
         self._scheduled = False
+        self._active = False
+        self._misses = 0
+        self._turns = 0
         self.wakeups = 0
         """Pipe wake-ups so far (for idle-CPU tests)."""
         self._consumer.sleep()  # until the first record, the sender must wake us
@@ -109,48 +116,70 @@ class RingReceiver:
         self.wakeups += 1
         self.run()
 
+    def kick(self) -> None:
+        """Run a turn soon (after the loop's ready callbacks): called after this side sent
+        something that expects an answer, so the turn spins for it instead of sleeping."""
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self._loop.call_soon(self._rerun)
+
     def _rerun(self) -> None:
         self._scheduled = False
         self.run()
 
     def run(self) -> None:
-        """Deliver every record published so far, spin while an answer is expected, then
-        sleep (or come back soon if a batch was cut short)."""
+        """One turn: deliver the records published so far (at most a batch), then come back
+        after the callbacks they woke; with none, spin (at most ``SPIN``) if an answer is
+        expected or records came in the last turn, else sleep."""
         if self._closed:
             return
         consumer = self._consumer
         consumer.awake()
         try:
-            while True:
-                for _ in range(_BATCH):
-                    record = consumer.take()
-                    if record is None:
-                        break
-                    try:
-                        self._deliver(*record)
-                    except ProtocolError:
-                        raise
-                    except Exception:  # a handler bug fails that record, not the ring
-                        log.exception("handling a ring record failed")
-                    if self._closed:
-                        return
+            delivered = self._take_batch()
+            if not delivered and not self._closed and self._may_spin():
+                if _spin(consumer):
+                    self._misses = 0
+                    delivered = self._take_batch()
                 else:
-                    consumer.commit()
-                    if not self._scheduled:
-                        self._scheduled = True
-                        self._loop.call_soon(self._rerun)
-                    return
-                consumer.commit()
-                if self._expects() and _spin(consumer):
-                    continue
-                if not consumer.sleep():
-                    return
+                    self._misses += 1
+            if self._closed:
+                return
+            self._active = delivered > 0
+            if delivered or consumer.sleep():  # (a record may have come just before it slept)
                 consumer.awake()
+                self.kick()
         except ProtocolError as exc:
             self.close()
             self._fault(exc)
 
-    def _expects(self) -> bool:
+    def _take_batch(self) -> int:
+        consumer = self._consumer
+        delivered = 0
+        while delivered < _BATCH:
+            record = consumer.take()
+            if record is None:
+                break
+            delivered += 1
+            try:
+                self._deliver(*record)
+            except ProtocolError:
+                raise
+            except Exception:  # a handler bug fails that record, not the ring
+                log.exception("handling a ring record failed")
+            if self._closed:
+                return delivered
+        consumer.commit()
+        return delivered
+
+    def _may_spin(self) -> bool:
+        """Spin only while an answer is expected or the peer just sent something, and only
+        while spinning pays (after ``_SPIN_MISSES`` fruitless spins in a row: every 64th turn)."""
+        self._turns += 1
+        if self._misses >= _SPIN_MISSES and self._turns % 64:
+            return False
+        if self._active:
+            return True
         try:
             return self._expecting()
         except Exception:

@@ -301,6 +301,8 @@ class UcxTransport:
         if ring is not None:
             try:
                 if ring.send(KIND_HEADER, (data,)):
+                    if link.sent and link.ring_in is not None:
+                        link.ring_in.kick()  # spin for the answer rather than sleep
                     return
             except RingError as exc:
                 self._fault(link.peer.peer_id, exc)
@@ -523,6 +525,8 @@ class UcxTransport:
             return False
         try:
             if ring.send(KIND_MESSAGE, [data, *(frame.data for frame in payload)]):
+                if link.ring_in is not None:
+                    link.ring_in.kick()  # spin for the answer rather than sleep
                 return True
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
