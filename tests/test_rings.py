@@ -187,6 +187,21 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert b.transport._links["a"].ring_in.wakeups > 0
 
 
+async def test_an_idle_pair_runs_no_ring_turns(make_agent):
+    """After traffic, each ring spins at most once more, then sleeps until a record comes."""
+    a, b = await pair(make_agent)
+    rings = [a.transport._links["b"].ring_in, b.transport._links["a"].ring_in]
+    b.set_message_sink(lambda *_message: None)
+    for _ in range(20):
+        await asyncio.wait_for(a.send_message("b", "k", b"", [np.ones(10, np.uint8)]), 5)
+    await asyncio.sleep(0.05)
+    turns = [ring.turns for ring in rings]
+    cpu = time.process_time()
+    await asyncio.sleep(0.5)
+    assert [ring.turns for ring in rings] == turns
+    assert time.process_time() - cpu < 0.05
+
+
 async def test_switch_off_leaves_everything_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
     assert a.transport._links["b"].ring_in is None and a.transport._links["b"].ring_out is None

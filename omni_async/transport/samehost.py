@@ -87,7 +87,8 @@ class RingReceiver:
         self._scheduled = False
         self._active = False
         self._misses = 0
-        self._turns = 0
+        self.turns = 0
+        """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
         """Pipe wake-ups so far (for idle-CPU tests)."""
         self._consumer.sleep()  # until the first record, the sender must wake us
@@ -133,6 +134,7 @@ class RingReceiver:
         expected or records came in the last turn, else sleep."""
         if self._closed:
             return
+        self.turns += 1
         consumer = self._consumer
         consumer.awake()
         try:
@@ -175,8 +177,7 @@ class RingReceiver:
     def _may_spin(self) -> bool:
         """Spin only while an answer is expected or the peer just sent something, and only
         while spinning pays (after ``_SPIN_MISSES`` fruitless spins in a row: every 64th turn)."""
-        self._turns += 1
-        if self._misses >= _SPIN_MISSES and self._turns % 64:
+        if self._misses >= _SPIN_MISSES and self.turns % 64:
             return False
         if self._active:
             return True

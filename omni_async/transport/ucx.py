@@ -7,6 +7,9 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
   a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
   into the peer's region instead and sends only a ``placed`` header;
+* between peers on one host, placed-write headers, acknowledgements and chunk messages that
+  fit go through a shared-memory ring instead of the lane (:mod:`.samehost`, offered with a
+  :class:`~omni_async.wire.RingOffer` right after connecting);
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
