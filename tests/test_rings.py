@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omni_async.errors import PeerLost
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
-from omni_async.wire import HEADER_TAG, Ack, MessageHeader, encode_header
+from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header
 
 from .conftest import FAST
 from .test_shared import dev_shm, mapped, open_fds_to
@@ -218,7 +218,7 @@ async def test_a_message_larger_than_the_ring_goes_over_ucx(make_agent):
     assert got == [big] and HEADER_TAG in tags
 
 
-@pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable"])
+@pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye"])
 async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, garbage):
     """A peer that writes garbage into our ring: a typed error, the peer dropped, this
     process keeps serving others."""
@@ -229,6 +229,8 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
         producer._ctl[0] = producer._head + 3 * samehost.RING_CAPACITY + 3
     elif garbage == "kind":
         producer.put(9, [encode_header(Ack(1))])
+    elif garbage == "goodbye":  # only ever sent over the lane
+        producer.put(samehost.KIND_HEADER, [encode_header(Goodbye())])
     elif garbage == "frames":
         producer.put(samehost.KIND_MESSAGE, [encode_header(MessageHeader(1, 0, "k", b"", [1 << 20]))])
     else:

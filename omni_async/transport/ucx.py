@@ -288,8 +288,8 @@ class UcxTransport:
         header = decode_header(payload)
         if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
             self._on_ring_message(link, header, payload)
-        elif kind == KIND_HEADER and not isinstance(header, MessageHeader):
-            self._handle_header(link, header)
+        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack):
+            self._handle_header(link, header)  # Goodbye and RingOffer come only over the lane
         else:
             raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
 
