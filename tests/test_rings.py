@@ -218,6 +218,22 @@ async def test_a_message_larger_than_the_ring_goes_over_ucx(make_agent):
     assert got == [big] and HEADER_TAG in tags
 
 
+async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
+    """More chunk bytes at once than the ring holds: the excess waits for the answers that
+    free room, in order, instead of taking the lane; every message arrives intact."""
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append((key, int(frames[0][0]))))
+    tags = count_header_sends(a.transport._links["b"].lane)
+    size = samehost.RING_CAPACITY // 8
+    frames = [np.full(size, i, np.uint8) for i in range(40)]  # 5x the ring
+    transfers = [a.send_message("b", f"k{i}", b"", [frame]) for i, frame in enumerate(frames)]
+    assert a.transport._links["b"].parked
+    await asyncio.wait_for(asyncio.gather(*transfers), 20)
+    assert got == [(f"k{i}", i) for i in range(40)]
+    assert tags == [] and not a.transport._links["b"].parked
+
+
 @pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye"])
 async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, garbage):
     """A peer that writes garbage into our ring: a typed error, the peer dropped, this

@@ -31,6 +31,7 @@ import errno
 import inspect
 import itertools
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from functools import partial
@@ -93,6 +94,8 @@ DRAIN_TIMEOUT = 2.0
 _DRAIN_TICK = 0.005
 
 Frames = list[npt.NDArray[np.uint8]]
+_Message = tuple[int, str, bytes, list[int], Frames]
+"""A chunk message to post: ``(transfer_id, key, meta, frame sizes, non-empty frames)``."""
 MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
 """``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink.
 
@@ -158,6 +161,8 @@ class _Link:
     :mod:`.samehost`); None: they come over UCX."""
     ring_out: RingSender | None = None
     """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
+    parked: deque[_Message] = field(default_factory=deque)
+    """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
@@ -328,6 +333,7 @@ class UcxTransport:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
         link.outbox.clear()
+        link.parked.clear()
         self._drop_direct(link)
         self._drop_rings(link)
         for transfer_id in list(link.sent):
@@ -508,9 +514,21 @@ class UcxTransport:
     def _post_message(
         self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
     ) -> None:
-        ring = link.ring_out
-        if ring is not None and self._ring_message(link, ring, transfer_id, key, meta, sizes, payload):
+        message = (transfer_id, key, meta, sizes, payload)
+        if link.ring_out is not None and not link.parked:
+            outcome = self._ring_message(link, message)
+            if outcome == "sent":
+                return
+            if outcome == "full" and self._may_park(link, 1):
+                link.parked.append(message)
+                return
+        elif link.parked and self._may_park(link, len(link.parked) + 1):
+            link.parked.append(message)  # behind the messages waiting for room in the ring
             return
+        self._lane_message(link, message)
+
+    def _lane_message(self, link: _Link, message: _Message) -> None:
+        transfer_id, key, meta, sizes, payload = message
         seq = link.outbox.take_seq(1)
         header = MessageHeader(transfer_id, seq, key, meta, sizes)
         on_sent = partial(self._sent, link, transfer_id)
@@ -518,26 +536,54 @@ class UcxTransport:
         if payload:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
 
-    def _ring_message(
-        self, link: _Link, ring: RingSender, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
-    ) -> bool:
-        """Put a chunk message (header and frames, one record) into the peer's ring; False if
-        it is too large or the ring has no room now (it goes over UCX then)."""
+    @staticmethod
+    def _may_park(link: _Link, waiting: int) -> bool:
+        """A message may wait for room in the ring only while some other transfer awaits an
+        answer: the answers free room (and run :meth:`_unpark`), so a wait always ends."""
+        return len(link.sent) > waiting
+
+    def _unpark(self, link: _Link) -> None:
+        """Post the messages waiting for room in the ring, in order, as far as it has room;
+        through the lane once nothing else is awaited (or the ring is gone)."""
+        parked = link.parked
+        while parked:
+            message = parked[0]
+            transfer_id = message[0]
+            if transfer_id not in link.sent:  # settled while it waited: never sent, so no Ack
+                parked.popleft()  # will free its window share: release it here
+                _carry_out(link.outbox.answered(transfer_id, "", "")[2])
+                continue
+            outcome = self._ring_message(link, message) if link.ring_out is not None else "lane"
+            if outcome == "full" and self._may_park(link, len(parked)):
+                return
+            parked.popleft()
+            if outcome != "sent":
+                self._lane_message(link, message)
+
+    def _ring_message(self, link: _Link, message: _Message) -> str:
+        """Put a chunk message (header and frames, one record) into the peer's ring.  Returns
+        ``"sent"`` (or failed: the peer broke the ring and is dropped), ``"full"`` (no room
+        now) or ``"lane"`` (too large, or the ring is gone: send it over UCX)."""
+        ring = link.ring_out
+        transfer_id, key, meta, sizes, payload = message
+        if ring is None:
+            return "lane"
         data = encode_header(MessageHeader(transfer_id, link.outbox.take_seq(0), key, meta, sizes))
         if len(data) + sum(sizes) > ring.max_payload:
-            return False
+            return "lane"
         try:
             if ring.send(KIND_MESSAGE, [data, *(frame.data for frame in payload)]):
                 if link.ring_in is not None:
                     link.ring_in.kick()  # spin for the answer rather than sleep
-                return True
+                return "sent"
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             self._fault(link.peer.peer_id, exc)
-            return True
+            return "sent"
         if ring.broken is not None:
             self._drop_ring_out(link)
-        return False
+            return "lane"
+        return "full"
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
@@ -568,6 +614,8 @@ class UcxTransport:
         sent.timer.cancel()
         if self._links.get(link.peer.peer_id) is link:
             _carry_out(link.outbox.forget(transfer_id))
+            if link.parked:
+                self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
             sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
