@@ -336,6 +336,7 @@ async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn
             await asyncio.sleep(0.01)
     assert link.ring_in is not None and link.ring_in.wakeups > 0
     mine = link.ring_in.offer().token
+    pipe = os.readlink(f"/proc/self/fd/{link.ring_in.fds[1]}")
     sender.kill()
     killed_at = time.monotonic()
     async with asyncio.timeout(FAST["heartbeat_timeout"] + 2.0):
@@ -344,7 +345,7 @@ async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn
     assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
     await asyncio.wait_for(sender.proc.wait(), 10)
     gc.collect()
-    assert open_fds_to(mine) == []
+    assert open_fds_to(mine) == [] and pipe not in open_links()  # our ring's memfd and pipe: closed
     other = await spawn_peer("serve", str(tmp_path / "o.memfd"), 16, 4096, {"peer_id": "o"})
     await asyncio.wait_for(agent.connect(other.info["address"]), 10)
     await asyncio.wait_for(agent.send_message("o", "k", b"", [np.ones(10, np.uint8)]), 10)
