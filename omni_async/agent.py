@@ -153,6 +153,11 @@ class Agent:
         session = self._sessions.get(peer_id)
         return "gone" if session is None else session.phase
 
+    def handshakes_in_progress(self, peer_id: str) -> int:
+        """How many handshakes of ``peer_id`` (dialled or being admitted) are in progress here."""
+        session = self._sessions.get(peer_id)
+        return 0 if session is None else session.pending
+
     def dialled_by(self, peer_id: str) -> str:
         """The peer id of the side that dialled the joined peer's connection; raises
         :class:`~omni_async.errors.UnknownPeer` unless joined."""
