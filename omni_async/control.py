@@ -43,7 +43,7 @@ from .errors import (
     PeerLost,
     ProtocolError,
 )
-from .handshake import LocalIdentity, PeerInfo, check_peer, handshake_in_progress, reject_for, rejection_error
+from .handshake import LocalIdentity, PeerInfo, check_peer, hello_refusal, reject_for, rejection_error
 from .wire import (
     MAX_CONTROL_BYTES,
     Bye,
@@ -313,16 +313,16 @@ class ControlPlane:
             # One more hello for a peer being admitted waits for that handshake (which may be an
             # abandoned one whose Bye is on its way); any further one is refused.
             running = self._admitting.get(msg.peer_id)
-            busy = msg.peer_id in self._queued
-            full = (running is None and msg.peer_id not in self._peers
-                    and len(self._peers) + len(self._admitting) >= self.config.max_peers)
-            if busy or full:
+            error = hello_refusal(
+                msg.peer_id,
+                admitting=running is not None,
+                queued=msg.peer_id in self._queued,
+                joined=msg.peer_id in self._peers,
+                in_use=len(self._peers) + len(self._admitting),
+                max_peers=self.config.max_peers,
+            )
+            if error is not None:
                 self.stats.rejected += 1
-                error = (
-                    handshake_in_progress(msg.peer_id)
-                    if busy
-                    else HandshakeRejected(f"peer limit of {self.config.max_peers} reached")
-                )
                 log.warning("rejected peer %r: %s", msg.peer_id, error)
                 await router.send_multipart([ident, encode_control(reject_for(error))])
                 return

@@ -201,7 +201,19 @@ def admit(local_id: str, current: Connection | None, new: Connection, remote_id:
     return "replace"
 
 
-def handshake_in_progress(peer_id: str) -> AlreadyConnected:
-    """The refusal of a hello while another handshake of ``peer_id`` is being admitted and one
-    more already waits for it."""
-    return AlreadyConnected(f"a handshake with {peer_id!r} is in progress")
+def hello_refusal(
+    peer_id: str, *, admitting: bool, queued: bool, joined: bool, in_use: int, max_peers: int
+) -> HandshakeRejected | None:
+    """Whether a control plane refuses a hello from ``peer_id`` on arrival, before validating it.
+
+    While a hello of ``peer_id`` is being admitted (``admitting``) one more waits for it (it may
+    be a restart, or follow an abandoned handshake whose Bye is on its way); a further one
+    (``queued``: one waits already) is refused with :class:`AlreadyConnected`.  A new peer id is
+    refused once joined peers plus handshakes being admitted (``in_use``) reach ``max_peers``,
+    so a flood cannot overshoot the limit.
+    """
+    if queued:
+        return AlreadyConnected(f"a handshake with {peer_id!r} is in progress")
+    if not admitting and not joined and in_use >= max_peers:
+        return HandshakeRejected(f"peer limit of {max_peers} reached")
+    return None
