@@ -216,7 +216,7 @@ async def pair(make_agent, **config):
 
 async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     a, b = await pair(make_agent)
-    assert a.transport._links["b"].direct.kind == "memfd"
+    assert a.transport.direct_kind("b") == "memfd"
     a.region.array[:] = np.random.default_rng(3).integers(0, 256, a.region.array.shape, dtype=np.uint8)
     await asyncio.wait_for(a.write_blocks("b", [5, 6, 7, 1], [10, 11, 12, 0]), 5)
     assert np.array_equal(b.region.array[[10, 11, 12, 0]], a.region.array[[5, 6, 7, 1]])
@@ -238,7 +238,7 @@ async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent):
 
 async def test_switch_off_keeps_blocks_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
-    assert a.transport._links["b"].direct is None and a.identity.region_share is None
+    assert a.transport.direct_kind("b") is None and a.identity.region_share is None
     a.region.array[3] = 9
     await asyncio.wait_for(a.write_blocks("b", [3], [4]), 5)
     assert (b.region.array[4] == 9).all()
@@ -282,7 +282,7 @@ async def test_writes_land_in_the_other_process_with_one_copy(make_agent, spawn_
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
     agent.region.array[:] = np.random.default_rng(7).integers(0, 256, agent.region.array.shape, dtype=np.uint8)
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
-    assert agent.transport._links["rx"].direct.kind == kind
+    assert agent.transport.direct_kind("rx") == kind
     local, remote = [3, 9, 10, 11, 40, 2], [50, 0, 1, 2, 33, 20]
     await asyncio.wait_for(agent.write_blocks("rx", local, remote), 10)
     if kind == "memfd":  # look at the peer's memory the way the lane does
@@ -306,7 +306,7 @@ async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_a
     peer = await spawn_peer("serve", str(tmp_path / "region") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
-    assert agent.transport._links["rx"].direct.kind == kind
+    assert agent.transport.direct_kind("rx") == kind
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
 

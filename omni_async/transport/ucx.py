@@ -308,6 +308,16 @@ class UcxTransport:
         """Whether the peer's lane is a same-host one (shared memory, gathered writes)."""
         return self._link(peer_id).gather
 
+    def lane(self, peer_id: str) -> Lane:
+        """The joined peer's lane (e.g. to read its ``wakeups``); raises :class:`UnknownPeer`."""
+        return self._link(peer_id).lane
+
+    def direct_kind(self, peer_id: str) -> str | None:
+        """How blocks reach the joined peer's region in one copy (``"memfd"``, ``"vm"``, see
+        :mod:`.shared`), or None when they travel through UCX; raises :class:`UnknownPeer`."""
+        direct = self._link(peer_id).direct
+        return None if direct is None else direct.kind
+
     def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
         """Transfers sent and not settled yet (to one peer, or to all)."""
         links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
