@@ -299,7 +299,7 @@ class Discovery:
         try:
             joined = await self.agent.connect(card.address)
         except AlreadyConnected:
-            return  # it dialled us at the same time: that handshake joins the pair
+            return  # its handshake joined the pair (the agent keeps one connection per pair)
         except Exception as exc:  # any failure of one dial is that peer's, retried later
             reason = f"{type(exc).__name__}: {exc}"
             if self._dial_errors.get(card.peer_id) != reason:
