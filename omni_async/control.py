@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 from .auth import CurveGate, join_address, public_key, split_address
 from .config import AgentConfig
 from .errors import (
+    AlreadyConnected,
     ClosedError,
     HandshakeError,
     HandshakeRejected,
@@ -367,7 +368,8 @@ class ControlPlane:
         except OmniAsyncError as exc:
             refusal = exc if isinstance(exc, HandshakeRejected) else HandshakeRejected(str(exc))
             self.stats.rejected += 1
-            log.warning("rejected peer %r: %s", msg.peer_id, refusal)
+            crossed = isinstance(refusal, AlreadyConnected)  # expected when both sides dial
+            log.log(logging.INFO if crossed else logging.WARNING, "rejected peer %r: %s", msg.peer_id, refusal)
             return reject_for(refusal)
         log.info("accepted peer %s", msg.peer_id)
         return self.identity.welcome(metadata)

@@ -4,8 +4,9 @@ Each pair of agents is dialled once.  A side *wants* a peer when its ``connect``
 the peer's card; when both sides want each other the one with the smaller peer id dials and the
 other waits for its handshake; when only one side wants the pair, that side dials.  Dialling
 from both sides would be safe too (the agent joins crossing handshakes once, keeping the smaller
-id's, :func:`omni_async.handshake.admit`): this rule only saves the second handshake.  Cards that cannot work (another fingerprint or block size, a CURVE key that is not
-allow-listed) are never dialled.
+id's, :func:`omni_async.handshake.admit`): this rule only saves the second handshake.  Cards
+that cannot work (another fingerprint or block size, a CURVE key that is not allow-listed) are
+never dialled.
 """
 
 from __future__ import annotations
