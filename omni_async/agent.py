@@ -13,6 +13,7 @@ lanes) is stopped by ``await agent.close()``, which is idempotent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -313,10 +314,12 @@ class Agent:
 
     async def _settled(self, peer_id: str) -> None:
         """Wait until no other handshake of ``peer_id`` is in progress (one that crossed ours
-        may still replace the connection we joined with)."""
-        async with asyncio.timeout(self.config.handshake_timeout):
-            while (session := self._sessions.get(peer_id)) is not None and session.pending > 0:
-                await self._changed.wait()
+        may still replace the connection we joined with), for at most the handshake timeout:
+        the pair is joined either way."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.handshake_timeout):
+                while (session := self._sessions.get(peer_id)) is not None and session.pending > 0:
+                    await self._changed.wait()
 
     def _leave(self, session: PeerSession, error: OmniAsyncError, *, orderly: bool, goodbye: str | None) -> None:
         """Remove a joined peer: fail its transfers, close (``orderly``: drain) its lane, let its
