@@ -57,3 +57,45 @@ async def test_simultaneous_dials_end_with_one_session(make_agent, spawn_peer, t
             joins[agent.peer_id].clear()
     assert await child.stop() == 0
     print(sorted(outcomes))
+
+
+async def test_every_session_move_is_an_event_and_peer_events_stay_as_before(make_agent):
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b")
+    moves, peer_events = [], []
+    a.add_session_listener(lambda e: moves.append((e.peer_id, e.old, e.new, type(e.error).__name__)))
+    a.add_peer_listener(lambda e: peer_events.append((e.kind, e.peer_id)))
+    assert a.session_phase("b") == "gone"
+    assert await asyncio.wait_for(a.connect(b.control_address), 10) == "b"
+    assert a.session_phase("b") == "joined" and a.handshakes_in_progress("b") == 0
+    assert await a.remove_peer("b") and a.session_phase("b") == "gone"
+    assert moves == [("b", "gone", "admitting", "NoneType"), ("b", "admitting", "joined", "NoneType"),
+                     ("b", "joined", "leaving", "PeerLost"), ("b", "leaving", "gone", "PeerLost")]
+    assert peer_events == [("joined", "b"), ("left", "b")]
+    assert await a.remove_peer("b") is False
+
+
+async def test_a_later_dial_keeps_the_smaller_ids_connection(make_agent):
+    """Not only a race: the pair always ends on the connection dialled by the smaller id.  The
+    larger id's dial of a joined pair is refused; the smaller id's takes over, silently."""
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b")
+    events = []
+    for agent in (a, b):
+        agent.add_peer_listener(lambda e, me=agent.peer_id: events.append((me, e.kind)))
+    assert await asyncio.wait_for(b.connect(a.control_address), 10) == "a"
+    await asyncio.wait_for(a.wait_for_peer("b"), 10)
+    assert a.dialled_by("b") == b.dialled_by("a") == "b"
+    assert await asyncio.wait_for(a.connect(b.control_address), 10) == "b"
+    async with asyncio.timeout(10):
+        while b.dialled_by("a") != "a" or b.handshakes_in_progress("a"):
+            await asyncio.sleep(0.005)
+    assert a.dialled_by("b") == "a"
+    with pytest.raises(AlreadyConnected):
+        await asyncio.wait_for(b.connect(a.control_address), 10)
+    assert a.dialled_by("b") == b.dialled_by("a") == "a"
+    a.region.array[0], b.region.array[0] = 1, 2
+    await asyncio.wait_for(a.write_blocks("b", [0], [3]), 5)
+    await asyncio.wait_for(b.write_blocks("a", [0], [3]), 5)
+    assert (b.region.array[3] == 1).all() and (a.region.array[3] == 2).all()
+    assert sorted(events) == [("a", "joined"), ("b", "joined")]
