@@ -4,6 +4,7 @@ process_vm_writev), its checks, and kill -9 of either side in real separate proc
 import asyncio
 import fcntl
 import os
+import signal
 import threading
 import time
 
@@ -224,16 +225,27 @@ async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
 
 
-async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent):
-    """The rows are in place at once, yet the transfer waits for the receiver's answer."""
-    a, b = await pair(make_agent)
-    b.transport._answer = lambda *args: None  # fault injection: b never acknowledges
-    a.region.array[1] = 5
-    transfer = a.write_blocks("b", [1], [2])
-    assert (b.region.array[2] == 5).all()
-    await asyncio.sleep(0.2)
-    assert not transfer.done()
-    transfer.cancel()
+async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent, spawn_peer, tmp_path):
+    """The rows are in place at once, yet the transfer waits for the receiver's answer: the
+    receiver is a process stopped (SIGSTOP) before the write, so it cannot answer until resumed."""
+    calm = {"heartbeat_interval": 0.5, "heartbeat_timeout": 10.0}
+    peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx", **calm})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", **calm)
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    assert agent.transport.direct_kind("rx") == "memfd"
+    view = MappedRegion(RegionShare(pid=peer.info["pid"], fd=peer.info["fd"], token=peer.info["token"]),
+                        NUM_BLOCKS, BLOCK_LEN)
+    agent.region.array[1] = 5
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        transfer = agent.write_blocks("rx", [1], [2])
+        assert (view.rows[2] == 5).all()
+        await asyncio.sleep(0.2)
+        assert not transfer.done()
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    await asyncio.wait_for(transfer, 10)  # resumed, the receiver answers
+    view.close()
 
 
 async def test_switch_off_keeps_blocks_on_ucx(make_agent):
