@@ -18,7 +18,17 @@ from omni_async.memfd import NAME_PREFIX, SharedSegment
 from omni_async.region import Run
 from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
 from omni_async.transport.vmwrite import VmWriter
-from omni_async.wire import HEADER_TAG, RegionShare, WriteRequest, decode_control, encode_control, encode_header
+from omni_async.wire import (
+    FULL_MASK,
+    HEADER_TAG,
+    Ack,
+    RegionShare,
+    WriteRequest,
+    decode_control,
+    decode_header,
+    encode_control,
+    encode_header,
+)
 
 from .conftest import FAST, fast_config
 
@@ -257,23 +267,27 @@ async def test_switch_off_keeps_blocks_on_ucx(make_agent):
 
 
 async def test_placed_header_out_of_range_is_refused_and_writes_nothing(make_agent):
-    """Fault injection: a placed-write header naming rows beyond the receiver's region."""
-    a, b = await pair(make_agent)
-    link = a.transport._links["b"]
-    transfer = a.transport._new_transfer(link, 2 * 4096, "blocks")
+    """A rogue peer's placed-write header naming rows beyond the receiver's region: refused
+    with InvalidBlocks, nothing written, and the receiver keeps serving its peers."""
+    from tests.helpers.rogue import Rogue
 
-    def post():
-        header = WriteRequest(transfer.id, link.outbox.take_seq(0), [(NUM_BLOCKS - 1, 2)], placed=True)
-        link.lane.send(encode_header(header), HEADER_TAG, lambda _error: None)
+    a, b = await pair(make_agent, heartbeat_timeout=30.0)
+    async with Rogue.join(b.control_address) as rogue:
+        answered: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
 
-    for release in link.outbox.submit(transfer.id, [(0, 0, post)]):
-        release()
-    with pytest.raises(InvalidBlocks, match="exceeds the region"):
-        await asyncio.wait_for(transfer, 5)
-    assert not b.region.array.any()
+        def header_arrived(_tag: int, length: int, message: object) -> None:
+            buffer = np.empty(length, np.uint8)
+            rogue.lane.recv_arrived(buffer, message, lambda _error: answered.set_result(decode_header(buffer)))
+
+        rogue.lane.watch(HEADER_TAG, FULL_MASK, header_arrived)
+        rogue.send(encode_header(WriteRequest(1, 0, [(NUM_BLOCKS - 1, 2)], placed=True)), HEADER_TAG)
+        ack = await asyncio.wait_for(answered, 5)
+        assert isinstance(ack, Ack) and ack.transfer_id == 1
+        assert ack.code == InvalidBlocks.code and "exceeds the region" in ack.reason
+        assert not b.region.array.any() and "rogue" in b.peers
     a.region.array[2] = 7
     await asyncio.wait_for(a.write_blocks("b", [2], [3]), 5)  # the pair keeps working
-    assert (b.region.array[3] == 7).all() and set(b.peers) == {"a"}
+    assert (b.region.array[3] == 7).all() and "a" in b.peers
 
 
 async def test_removing_a_peer_unmaps_its_region(make_agent):
