@@ -3,8 +3,9 @@
 The :class:`~omni_async.agent.Agent` owns one session per peer id.  It holds the peer's joined
 control connection and its UCX lane (the control plane and the transport only index what a
 session installed) and moves through :data:`Phase`: admitting → joined → leaving → gone, or
-straight to gone from admitting (no handshake joined) or joined (the peer was lost); a gone
-session starts over as admitting while a handshake of the peer is in progress (:data:`NEXT`).
+straight to gone from admitting (no handshake joined) or joined (the peer restarted, or the
+agent closed); a gone session starts over as admitting while a handshake of the peer is in
+progress (:data:`NEXT`).
 
 Every move returns a :class:`SessionEvent`, which the agent hands to its session listeners
 (and, for joined / gone, to its :class:`~omni_async.agent.PeerEvent` listeners).  Which
