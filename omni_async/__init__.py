@@ -3,7 +3,8 @@
 Data moves over UCX (``ucxx``), peers meet over ZeroMQ; every transfer is awaitable.
 
 The names below load on first use: importing a sans-I/O module (``omni_async.wire``,
-``.region``, ``.serde``, ``.handshake``, ``.errors``, ``.config``) loads neither ucxx nor zmq.
+``.region``, ``.serde``, ``.handshake``, ``.session``, ``.errors``, ``.config``) loads neither
+ucxx nor zmq.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
         VersionMismatch,
     )
     from .region import BlockRegion, config_fingerprint
+    from .session import SessionEvent
     from .transport import Transfer
 
 __version__ = "0.1.0"
@@ -49,6 +51,7 @@ _HOMES: dict[str, str] = {
     "load_config": ".config",
     "BlockRegion": ".region",
     "config_fingerprint": ".region",
+    "SessionEvent": ".session",
     "Transfer": ".transport",
 }
 """Where each public name that is not an error lives (the errors live in :mod:`.errors`)."""
@@ -88,6 +91,7 @@ __all__ = [
     "PeerEvent",
     "PeerLost",
     "ProtocolError",
+    "SessionEvent",
     "Transfer",
     "TransferCancelled",
     "TransferError",
