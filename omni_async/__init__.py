@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         HandshakeTimeout,
         InvalidBlocks,
         InvalidMessage,
+        InvalidNotice,
         LayoutMismatch,
         OmniAsyncError,
         PeerLost,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     )
     from .region import BlockRegion, config_fingerprint
     from .transport import Transfer
+    from .transport.notices import Notice
 
 __version__ = "0.1.0"
 
@@ -50,6 +52,7 @@ _HOMES: dict[str, str] = {
     "BlockRegion": ".region",
     "config_fingerprint": ".region",
     "Transfer": ".transport",
+    "Notice": ".transport.notices",
 }
 """Where each public name that is not an error lives (the errors live in :mod:`.errors`)."""
 
@@ -83,7 +86,9 @@ __all__ = [
     "HandshakeTimeout",
     "InvalidBlocks",
     "InvalidMessage",
+    "InvalidNotice",
     "LayoutMismatch",
+    "Notice",
     "OmniAsyncError",
     "PeerEvent",
     "PeerLost",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ from .handshake import LocalIdentity, PeerInfo
 from .metrics import Metrics, serve_metrics
 from .region import BlockRegion, config_fingerprint
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
+from .transport.notices import Notice, NoticeSink
 from .transport.shared import advertise
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Agent:
             max_write_blocks=self.config.max_write_blocks,
             max_message_bytes=self.config.max_message_bytes,
             region_share=advertise(region) if self.config.same_host_lane else None,
+            max_notice_bytes=self.config.max_notice_bytes,
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None
@@ -211,9 +213,30 @@ class Agent:
         self._listeners.append(listener)
 
     # -- transfers ---------------------------------------------------------------------------
-    def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
-        """See :meth:`UcxTransport.write_blocks`; returns at once, await the transfer."""
-        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs)
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int], *, notice: bytes | None = None
+    ) -> Transfer:
+        """See :meth:`UcxTransport.write_blocks`; returns at once, await the transfer.
+
+        With ``notice`` (at most the peer's ``max_notice_bytes``) the peer's :meth:`notices`
+        yields a :class:`Notice` with it once the rows are in place, before this transfer
+        settles; if the write fails after some of it was sent, a notice with ``failed`` set.
+        """
+        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs, notice=notice)
+
+    def notices(self) -> AsyncIterator[Notice]:
+        """``async for notice in agent.notices()``: notices of the writes peers sent with one,
+        in arrival order (per peer: write order), until the agent closes.
+
+        At most ``config.notice_queue`` wait unread; beyond that the senders' writes stay
+        unacknowledged until the application reads (nothing is dropped).
+        """
+        return aiter(self.transport.notices)
+
+    def set_notice_sink(self, sink: NoticeSink | None) -> None:
+        """The callback form of :meth:`notices`: ``sink(notice)`` is called for each new
+        notice; the sender's write settles once it returns (or its awaitable completes)."""
+        self.transport.notices.sink = sink
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """See :meth:`UcxTransport.send_message`."""

@@ -159,6 +159,13 @@ class InvalidMessage(TransferError, ValueError, remote=True):
     code = "invalid_message"
 
 
+class InvalidNotice(TransferError, ValueError):
+    """A write's notice is not bytes or exceeds the receiver's announced ``max_notice_bytes``
+    (raised by the sender before anything is sent)."""
+
+    code = "invalid_notice"
+
+
 def error_from_code(code: str, reason: str) -> OmniAsyncError:
     """Rebuild the error a peer reported; an unknown code becomes :class:`TransferFailed`."""
     return REMOTE_ERRORS.get(code, TransferFailed)(reason)

@@ -42,6 +42,7 @@ class LocalIdentity:
     max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     region_share: RegionShare | None = None
+    max_notice_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -69,6 +70,7 @@ class LocalIdentity:
             max_write_blocks=self.max_write_blocks,
             max_message_bytes=self.max_message_bytes,
             region_share=self.region_share,
+            max_notice_bytes=self.max_notice_bytes,
         )
 
 
@@ -89,6 +91,8 @@ class PeerInfo:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest chunk message the peer accepts."""
     region_share: RegionShare | None = None
+    max_notice_bytes: int = 0
+    """Largest notice the peer takes on a write (0: none)."""
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -104,6 +108,7 @@ class PeerInfo:
             max_write_blocks=msg.max_write_blocks,
             max_message_bytes=msg.max_message_bytes,
             region_share=msg.region_share,
+            max_notice_bytes=msg.max_notice_bytes,
         )
 
 

@@ -59,7 +59,9 @@ from ..wire import (
     HEADER_TAG,
     KIND_MASK,
     MAX_HEADER_BYTES,
+    MAX_PENDING_PAYLOADS,
     SEQ_MASK,
+    Abort,
     Ack,
     DataHeader,
     Goodbye,
@@ -72,7 +74,8 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
-from .limits import Window, check_message, receive_budget, split_runs
+from .limits import Window, check_message, check_notice, receive_budget, split_runs
+from .notices import Notice, NoticeBook, NoticeQueue, sink_error
 from .protocol import Inbox, Outbox
 from .shared import DirectWriter, open_writer
 from .transfer import CancelMode, Transfer
@@ -147,6 +150,10 @@ class _Link:
     direct: DirectWriter | None = None
     """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
     block payloads go through UCX."""
+    noticed: set[int] = field(default_factory=set)
+    """Transfers to the peer that carry a notice (the peer is told if they are given up)."""
+    notices: NoticeBook[Callable[[], None]] = field(init=False)
+    """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
@@ -154,6 +161,8 @@ class _Link:
     def __post_init__(self, receive_bytes: int) -> None:
         self.outbox = Outbox(Window(self.peer.max_message_bytes))
         self.inbox = Inbox(receive_bytes)
+        # The sender's window counts each request with a notice as a payload message.
+        self.notices = NoticeBook(self.peer.peer_id, 2 * MAX_PENDING_PAYLOADS)
 
 
 class _Countdown:
@@ -189,6 +198,8 @@ class UcxTransport:
         self.config = config
         self.metrics = metrics
         self.message_sink: MessageSink | None = None
+        self.notices = NoticeQueue(config.notice_queue)
+        """Notices of incoming writes, for the application (see :mod:`.notices`)."""
         self._fault = fault
         self._loop = asyncio.get_running_loop()
         self._context = new_context(config.ucx_tls, config.ucx_net_devices)
@@ -256,6 +267,8 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
+        for notice in link.notices.lost(error):  # the writes it was sending us fail
+            self.notices.offer(notice, _nothing)
         link.outbox.clear()
         self._drop_direct(link)
         for transfer_id in list(link.sent):
@@ -318,16 +331,27 @@ class UcxTransport:
         return [sent.transfer for link in links for sent in link.sent.values()]
 
     # -- sending ---------------------------------------------------------------------------
-    def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int], *, notice: bytes | None = None
+    ) -> Transfer:
         """Write local blocks into the peer's blocks; the returned transfer settles on its ack.
 
         Raises at once, before any byte moves: :class:`UnknownPeer`, :class:`InvalidBlocks`
-        (unequal lengths, an index out of range or not an int), :class:`ClosedError`.
+        (unequal lengths, an index out of range or not an int), :class:`InvalidNotice` (a
+        ``notice`` over the peer's ``max_notice_bytes``), :class:`TypeError` (a notice that is
+        not bytes), :class:`ClosedError`.
         A write larger than the receiver takes in one request goes out as several.
         The local blocks must not change until the transfer settles.
+
+        With ``notice`` the peer's application gets a :class:`~.notices.Notice` with this data
+        once every row is in place, before the transfer settles (one per write, however it is
+        split); if the write fails or is given up after some of it was sent, a failed one.
+        A write of no blocks sends nothing and notifies nobody.
         """
         self._check_open()
         link = self._link(peer_id)
+        if notice is not None:
+            notice = check_notice(notice, link.peer.max_notice_bytes)
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
         block_len = self.region.block_len
         transfer = self._new_transfer(link, len(local_idxs) * block_len, "blocks")
@@ -339,23 +363,29 @@ class UcxTransport:
         direct = link.direct
         placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
         requests: list[tuple[int, int, Callable[[], None]]] = []
-        for request in split_runs(runs, link.peer.max_write_blocks):
+        split = split_runs(runs, link.peer.max_write_blocks)
+        if notice is not None:
+            link.noticed.add(transfer.id)
+        for part, request in enumerate(split):
+            tag = None if notice is None else _Tag(notice, part, len(split))
             if placed:  # same host: copied straight into the peer's rows, no payload message
-                requests.append((0, 0, partial(self._place, link, transfer.id, request)))
+                # A request with a notice counts as a payload message: the receiver's bound
+                # on writes with notices pending is the window's.
+                requests.append((0 if tag is None else 1, 0, partial(self._place, link, transfer.id, request, tag)))
                 continue
             nbytes = sum(run.length for run in request) * block_len
             # Many small runs: one gathered message (Python cost per message dominates).  Large
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
             gather = link.gather and len(request) > 1 and nbytes < _GATHER_MAX_RUN * len(request)
-            post = partial(self._post_write, link, transfer.id, request, gather)
+            post = partial(self._post_write, link, transfer.id, request, gather, tag)
             requests.append((1 if gather else len(request), 0, post))
         _carry_out(link.outbox.submit(transfer.id, requests))
         return transfer
 
-    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool) -> None:
+    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
         seq = link.outbox.take_seq(1 if gather else len(runs))
-        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], gather)
+        header = _write_request(transfer_id, seq, runs, tag, gathered=gather)
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
@@ -367,7 +397,7 @@ class UcxTransport:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
 
-    def _place(self, link: _Link, transfer_id: int, runs: list[Run]) -> None:
+    def _place(self, link: _Link, transfer_id: int, runs: list[Run], tag: _Tag | None) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
@@ -392,7 +422,7 @@ class UcxTransport:
                 self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
             return
         seq = link.outbox.take_seq(0)
-        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], placed=True)
+        header = _write_request(transfer_id, seq, runs, tag, placed=True)
         link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
 
     @staticmethod
@@ -459,7 +489,10 @@ class UcxTransport:
             return  # settled already (cancelled, expired, acknowledged)
         sent.timer.cancel()
         if self._links.get(link.peer.peer_id) is link:
+            if error is not None:
+                self._abort(link, transfer_id, error)
             _carry_out(link.outbox.forget(transfer_id))
+        link.noticed.discard(transfer_id)
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
             sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
@@ -468,6 +501,13 @@ class UcxTransport:
             sent.transfer.set_done()
         else:
             sent.transfer.set_failed(error)
+
+    def _abort(self, link: _Link, transfer_id: int, error: OmniAsyncError) -> None:
+        """A write with a notice is given up here after some of it was posted: tell the
+        receiver, whose application gets a failed notice (before the outbox forgets it)."""
+        if transfer_id in link.noticed and link.outbox.posted(transfer_id):
+            abort = Abort(transfer_id, error.code, str(error)[:1000])
+            link.lane.send(encode_header(abort), HEADER_TAG, _ignore)
 
     # -- cancelling ------------------------------------------------------------------------
     def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
@@ -493,6 +533,8 @@ class UcxTransport:
             return True  # nothing of it left this side if nothing was posted: settle now
         sent = link.sent.pop(transfer.id)
         sent.timer.cancel()
+        self._abort(link, transfer.id, TransferCancelled("the sender cancelled the write"))
+        link.noticed.discard(transfer.id)
         _carry_out(link.outbox.forget(transfer.id))
         self.metrics.settled(
             sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started, transfer.peer_id
@@ -576,6 +618,9 @@ class UcxTransport:
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
             self._on_write(link, header)
+        elif isinstance(header, Abort):
+            error = error_from_code(header.code, header.reason or "the sender gave the write up")
+            self._queue_notices(link.notices.aborted(header.transfer_id, error))
         else:
             self._on_message(link, header)
 
@@ -590,13 +635,18 @@ class UcxTransport:
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
+            refuse = self._answerer(link, req, 0, valid=False)
+            if refuse is None:
+                return
             if req.placed:  # nothing to drain: no payload follows
                 log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
-                self._answer(link, req.transfer_id, "blocks", 0, InvalidBlocks(str(exc)))
+                refuse(InvalidBlocks(str(exc)))
             else:
-                self._drain(link, req, InvalidBlocks(str(exc)))
+                self._drain(link, req, InvalidBlocks(str(exc)), refuse)
             return
-        finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
+        finish = self._answerer(link, req, blocks * self.region.block_len, valid=True)
+        if finish is None:
+            return
         if req.placed:  # the sender already copied the rows into our region; no payload follows
             finish(None)
             return
@@ -611,14 +661,45 @@ class UcxTransport:
                 if not self._expect(link, req.seq + i, [row], parts.done):
                     return
 
-    def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
+    def _answerer(self, link: _Link, req: WriteRequest, nbytes: int, *, valid: bool) -> Completion | None:
+        """What answers this write request: its acknowledgement, through the peer's notice
+        book if it carries a notice (``valid``: its rows may be written).  None if the request
+        broke the protocol (the peer is dropped)."""
+        answer = partial(self._answer, link, req.transfer_id, "blocks", nbytes)
+        if req.notice is None:
+            return answer
+        limit = self.config.max_notice_bytes
+        try:
+            if not limit or len(req.notice) > limit:
+                raise ProtocolError(f"notice of {len(req.notice)} bytes exceeds this side's limit of {limit}")
+            link.notices.seen(req.transfer_id, req.part, req.parts, req.runs if valid else [], req.notice)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return None
+        return partial(self._answer_noticed, link, req.transfer_id, answer)
+
+    def _answer_noticed(self, link: _Link, transfer_id: int, answer: Completion, error: BaseException | None) -> None:
+        """A request of a write with a notice is done: the acknowledgement that completes
+        the write waits until its notice is queued (and the notices before it)."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return  # the peer is gone: its notice book already failed the write
+        failed = None if error is None else sink_error(error)
+        held, ready = link.notices.done(transfer_id, failed, partial(answer, error))
+        if not held:
+            answer(error)
+        self._queue_notices(ready)
+
+    def _queue_notices(self, ready: list[tuple[Notice, list[Callable[[], None]]]]) -> None:
+        for notice, acks in ready:
+            self.notices.offer(notice, partial(_carry_out, acks))
+
+    def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks, refuse: Completion) -> None:
         """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
         lingers in UCX's queues), then send the refusal."""
         if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
             return
         block_len = self.region.block_len
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
-        refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
         parts = _Countdown(1 if req.gathered else len(req.runs), lambda _error: refuse(reason))
         if req.gathered:
             total = sum(count for _, count in req.runs)
@@ -704,6 +785,7 @@ class UcxTransport:
             self._closed = True
             for peer_id in list(self._links):
                 self.remove_peer(peer_id, ClosedError("transport closed"), orderly=True)
+            self.notices.close()
         await asyncio.gather(*list(self._drains))
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
 
@@ -716,6 +798,28 @@ class UcxTransport:
             return self._links[peer_id]
         except KeyError:
             raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class _Tag:
+    """The notice of a write and which of its requests this is."""
+
+    data: bytes
+    part: int
+    parts: int
+
+
+def _write_request(
+    transfer_id: int, seq: int, runs: list[Run], tag: _Tag | None, *, gathered: bool = True, placed: bool = False
+) -> WriteRequest:
+    pairs = [(run.remote, run.length) for run in runs]
+    if tag is None:
+        return WriteRequest(transfer_id, seq, pairs, gathered, placed)
+    return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
+
+
+def _nothing() -> None:
+    """Release of a notice with no acknowledgement held (its sender is gone)."""
 
 
 def _carry_out(posts: list[Callable[[], None]]) -> None:

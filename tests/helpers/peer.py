@@ -17,6 +17,14 @@
   ``reconnect`` line on stdin, connects again, writes every block once and prints
   ``{"reconnected": peer_id}``.
 
+``python -m tests.helpers.peer notices REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
+  like ``serve``, and prints ``{"notice": data, "failed": ErrorType or null, "rows": n}`` for
+  every notice of a write it receives, before the write is acknowledged.
+
+``python -m tests.helpers.peer notify REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
+  connects to ADDRESS and writes all its blocks there with 8 writes in flight until killed,
+  each with the notice ``b"%d" % n`` (n = 0, 1, ... in write order).
+
 ``python -m tests.helpers.peer streams REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
   runs a ConnectorService (the config is its ``agent`` section), prints ``{"address": ...}``,
   waits for one sender, then for each :class:`omni_async.workload.Plan` it announces (0, 1, ...)
@@ -65,7 +73,11 @@ async def main(argv: list[str]) -> None:
     region = region_file(path, int(num_blocks), int(block_len))
     config = load_config(json.loads(config_json), environ={})
     async with Agent(region, config) as agent:
-        if role == "serve":
+        if role == "notices":
+            agent.set_notice_sink(lambda n: say({
+                "notice": n.data.decode(), "rows": len(n.remote_idxs),
+                "failed": type(n.failed).__name__ if n.failed else None}))
+        if role in ("serve", "notices"):
             log = open(path + ".messages", "a")
 
             def sink(peer_id: str, key: str, meta: bytes, frames: list[Any]) -> None:
@@ -87,6 +99,8 @@ async def main(argv: list[str]) -> None:
             await write(agent, argv[5], *argv[6:])
         elif role == "pump":
             await pump(agent, argv[5])
+        elif role == "notify":
+            await notify(agent, argv[5])
 
 
 async def streams(path: str, config: dict[str, Any]) -> None:
@@ -120,6 +134,19 @@ async def write(agent: Agent, address: str, first: str = "0", count: str = "", o
             say({"written": len(local)})
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
             return
+
+
+async def notify(agent: Agent, address: str) -> None:
+    peer = await agent.connect(address)
+    say({"connected": peer})
+    blocks = list(range(agent.region.num_blocks))
+    numbers = itertools.count()
+
+    async def writer() -> None:
+        while True:
+            await agent.write_blocks(peer, blocks, blocks, notice=b"%d" % next(numbers))
+
+    await asyncio.gather(*(writer() for _ in range(8)))
 
 
 async def pump(agent: Agent, address: str) -> None:
