@@ -59,6 +59,7 @@ class Agent:
             max_message_bytes=self.config.max_message_bytes,
             region_share=advertise(region) if self.config.same_host_lane else None,
             max_notice_bytes=self.config.max_notice_bytes,
+            allow_reads=self.config.allow_reads,
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None
@@ -223,6 +224,11 @@ class Agent:
         settles; if the write fails after some of it was sent, a notice with ``failed`` set.
         """
         return self.transport.write_blocks(peer_id, local_idxs, remote_idxs, notice=notice)
+
+    def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
+        """See :meth:`UcxTransport.read_blocks`: copy the peer's rows into ours; returns at
+        once, await the transfer (it resolves once the rows are in place)."""
+        return self.transport.read_blocks(peer_id, remote_idxs, local_idxs)
 
     def notices(self) -> AsyncIterator[Notice]:
         """``async for notice in agent.notices()``: notices of the writes peers sent with one,

@@ -88,6 +88,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     notice_queue: Positive = 1024
     """Notices queued for the application (``Agent.notices()``); when full, the senders'
     writes wait for their acknowledgement until the application reads."""
+    allow_reads: bool = False
+    """Let peers read this side's region (``Agent.read_blocks``): any peer that passed the
+    handshake may then copy any of its rows.  Announced in the handshake."""
     metrics_port: Port = 0
     """Serve Prometheus ``/metrics`` on this port (0: off).  One endpoint serves every agent of
     the process; start at most one agent with it set."""

@@ -140,6 +140,12 @@ class BufferFull(TransferRefused, remote=True):
     code = "buffer_full"
 
 
+class ReadsNotAllowed(TransferRefused, remote=True):
+    """The peer does not allow reads of its region (its ``allow_reads`` is off)."""
+
+    code = "reads_not_allowed"
+
+
 class DeadlineExceeded(TransferError, TimeoutError, remote=True):
     """A request or transfer made no progress within its deadline."""
 

@@ -43,6 +43,7 @@ class LocalIdentity:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     region_share: RegionShare | None = None
     max_notice_bytes: int = 0
+    allow_reads: bool = False
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -71,6 +72,7 @@ class LocalIdentity:
             max_message_bytes=self.max_message_bytes,
             region_share=self.region_share,
             max_notice_bytes=self.max_notice_bytes,
+            allow_reads=self.allow_reads,
         )
 
 
@@ -93,6 +95,8 @@ class PeerInfo:
     region_share: RegionShare | None = None
     max_notice_bytes: int = 0
     """Largest notice the peer takes on a write (0: none)."""
+    allow_reads: bool = False
+    """The peer lets us read its region."""
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -109,6 +113,7 @@ class PeerInfo:
             max_message_bytes=msg.max_message_bytes,
             region_share=msg.region_share,
             max_notice_bytes=msg.max_notice_bytes,
+            allow_reads=msg.allow_reads,
         )
 
 

@@ -52,6 +52,8 @@ DEFAULT_MAX_WRITE_BLOCKS: Final = 1 << 20
 """A receiver's ``max_write_blocks`` when its Hello does not announce one."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30
 """A receiver's ``max_message_bytes`` when its Hello does not announce one."""
+READ_RUNS_PER_REQUEST: Final = 2048
+"""Most runs in one :class:`ReadRequest` (three 9-byte integers a run in the worst case)."""
 MAX_NOTICE_BYTES: Final = 4096
 """Largest notice a write request may carry (a worst-case request still fits
 :data:`MAX_HEADER_BYTES` with it); a receiver announces its own limit, at most this."""
@@ -111,6 +113,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     """Offered to peers with the same ``host_id`` (None: write through UCX only)."""
     max_notice_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_NOTICE_BYTES)] = 0
     """Largest notice the sender accepts on an incoming write (0: it takes none)."""
+    allow_reads: bool = False
+    """Peers may read the sender's region (``read_blocks``)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -180,6 +184,18 @@ class Ack(_Msg, tag="a", frozen=True):
     reason: Reason = ""
 
 
+class ReadRequest(_Msg, tag="r", frozen=True):
+    """Asks the peer to write its rows into ours: ``runs`` are ``(peer_start, our_start,
+    count)``.  The peer answers with an ordinary block write of those rows, then, once that
+    write is acknowledged, an :class:`Ack` for ``transfer_id`` (or a failed one: reads not
+    allowed, rows out of range).  A read with more runs is several requests of one transfer."""
+
+    transfer_id: NonNeg
+    runs: Annotated[
+        list[tuple[NonNeg, NonNeg, Count]], msgspec.Meta(min_length=1, max_length=READ_RUNS_PER_REQUEST)
+    ]
+
+
 class Abort(_Msg, tag="x", frozen=True):
     """The sender gave up a write with a notice after posting some of it (deadline, cancel):
     the receiver reports it failed, with ``code`` and ``reason``, once the requests it has
@@ -195,7 +211,7 @@ class Goodbye(_Msg, tag="g", frozen=True):
     peer leaves in order, and close the lane once they have the other's and nothing is pending."""
 
 
-DataHeader: TypeAlias = WriteRequest | MessageHeader | Ack | Abort | Goodbye
+DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Goodbye
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)

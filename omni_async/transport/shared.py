@@ -122,6 +122,13 @@ class MappedRegion:
         for local, remote, length in runs:
             dst[remote : remote + length] = src[local : local + length]
 
+    def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        """Copy the peer's blocks of each run (``remote``) into ``dst`` (``local``); the runs
+        are already bounded by both layouts."""
+        src = self.rows
+        for local, remote, length in runs:
+            dst[local : local + length] = src[remote : remote + length]
+
     def close(self) -> None:
         self._rows = None
         mapping, self._mapping = self._mapping, None

@@ -45,6 +45,7 @@ from ..errors import (
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    ReadsNotAllowed,
     TransferCancelled,
     TransferFailed,
     UnknownPeer,
@@ -60,12 +61,14 @@ from ..wire import (
     KIND_MASK,
     MAX_HEADER_BYTES,
     MAX_PENDING_PAYLOADS,
+    READ_RUNS_PER_REQUEST,
     SEQ_MASK,
     Abort,
     Ack,
     DataHeader,
     Goodbye,
     MessageHeader,
+    ReadRequest,
     WriteRequest,
     data_tag,
     decode_header,
@@ -77,7 +80,7 @@ from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
 from .protocol import Inbox, Outbox
-from .shared import DirectWriter, open_writer
+from .shared import DirectWriter, MappedRegion, open_writer
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -353,8 +356,12 @@ class UcxTransport:
         if notice is not None:
             notice = check_notice(notice, link.peer.max_notice_bytes)
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        return self._write_runs(link, runs, len(local_idxs), notice)
+
+    def _write_runs(self, link: _Link, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:
+        """Write checked runs (``local``: our rows, ``remote``: the peer's) to the peer."""
         block_len = self.region.block_len
-        transfer = self._new_transfer(link, len(local_idxs) * block_len, "blocks")
+        transfer = self._new_transfer(link, blocks * block_len, "blocks")
         if not runs:
             self._settle(link, transfer.id, None)  # nothing to move: done, and not left in flight
             return transfer
@@ -381,6 +388,65 @@ class UcxTransport:
             requests.append((1 if gather else len(request), 0, post))
         _carry_out(link.outbox.submit(transfer.id, requests))
         return transfer
+
+    def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
+        """Copy the peer's blocks ``remote_idxs`` into ours ``local_idxs``; the returned
+        transfer settles once every row is in place (or fails, and says why).
+
+        Raises at once, before any I/O: :class:`ReadsNotAllowed` (the peer's ``allow_reads``
+        is off), :class:`UnknownPeer`, :class:`InvalidBlocks`, :class:`ClosedError`.  A peer
+        on this host whose region is mapped here is copied from directly (settled on return);
+        otherwise a :class:`~omni_async.wire.ReadRequest` asks the peer to write the rows
+        into ours.  Deadlines, cancel modes and peer loss as for writes; after
+        ``cancel("immediate")`` the peer may still write the requested rows for a moment,
+        and no other row of ours is ever written.
+        """
+        self._check_open()
+        link = self._link(peer_id)
+        if not link.peer.allow_reads:
+            raise ReadsNotAllowed(f"peer {peer_id!r} does not allow reads of its region")
+        runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        transfer = self._new_transfer(link, len(local_idxs) * self.region.block_len, "blocks")
+        direct = link.direct
+        if not runs:
+            self._settle(link, transfer.id, None)
+            return transfer
+        if isinstance(direct, MappedRegion) and max(run.remote + run.length for run in runs) <= direct.num_blocks:
+            try:
+                direct.fetch(self.region.array, runs)
+            except OSError as exc:  # unmapped meanwhile: cannot happen on the loop, but say why
+                self._settle(link, transfer.id, TransferFailed(f"same-host read failed: {exc}"))
+            else:
+                self._settle(link, transfer.id, None)
+            return transfer
+        requests: list[tuple[int, int, Callable[[], None]]] = []
+        for first in range(0, len(runs), READ_RUNS_PER_REQUEST):
+            pairs = [(run.remote, run.local, run.length) for run in runs[first : first + READ_RUNS_PER_REQUEST]]
+            header = encode_header(ReadRequest(transfer.id, pairs))
+            requests.append((0, 0, partial(link.lane.send, header, HEADER_TAG, partial(self._sent, link, transfer.id))))
+        _carry_out(link.outbox.submit(transfer.id, requests))
+        return transfer
+
+    def _on_read(self, link: _Link, req: ReadRequest) -> None:
+        """A peer asks for our rows: write them into its region, then acknowledge the read
+        once that write is acknowledged (or refuse it, with the reason)."""
+        if self._closed or self._links.get(link.peer.peer_id) is not link:
+            return  # leaving: no new writes to it
+        block_len = self.region.block_len
+        refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
+        if not self.config.allow_reads:
+            log.warning("refused read %d from %s: reads are not allowed", req.transfer_id, link.peer.peer_id)
+            refuse(ReadsNotAllowed("this peer does not allow reads of its region"))
+            return
+        runs = [Run(src, dst, count) for src, dst, count in req.runs]
+        for src, dst, count in runs:
+            if src + count > self.region.num_blocks or dst + count > link.peer.num_blocks:
+                refuse(InvalidBlocks(f"read of {count} blocks from {src} into {dst} leaves a region"))
+                return
+        blocks = sum(run.length for run in runs)
+        write = self._write_runs(link, runs, blocks, None)
+        answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_len)
+        write.add_done_callback(lambda done: answer(done.error()))
 
     def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
@@ -618,6 +684,8 @@ class UcxTransport:
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
             self._on_write(link, header)
+        elif isinstance(header, ReadRequest):
+            self._on_read(link, header)
         elif isinstance(header, Abort):
             error = error_from_code(header.code, header.reason or "the sender gave the write up")
             self._queue_notices(link.notices.aborted(header.transfer_id, error))
