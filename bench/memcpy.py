@@ -9,9 +9,23 @@ is reported alongside, because a transfer that copies once can beat the fancy-in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
+
+
+def _timed(copy: Callable[[], None], iters: int, warmup: int) -> list[int]:
+    """Nanoseconds of each of ``iters`` calls of ``copy``, after ``warmup`` untimed ones."""
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    for i in range(warmup + iters):
+        t0 = clock()
+        copy()
+        t1 = clock()
+        if i >= warmup:
+            samples.append(t1 - t0)
+    return samples
 
 
 def time_memcpy(
@@ -25,15 +39,11 @@ def time_memcpy(
     """Nanoseconds of each of ``iters`` copies of rows ``local`` of ``src`` to rows ``remote`` of ``dst``."""
     lidx = np.asarray(local, dtype=np.intp)
     ridx = np.asarray(remote, dtype=np.intp)
-    clock = time.perf_counter_ns
-    samples: list[int] = []
-    for i in range(warmup + iters):
-        t0 = clock()
+
+    def copy() -> None:
         dst[ridx] = src[lidx]
-        t1 = clock()
-        if i >= warmup:
-            samples.append(t1 - t0)
-    return samples
+
+    return _timed(copy, iters, warmup)
 
 
 def time_row_copies(
@@ -46,14 +56,10 @@ def time_row_copies(
 ) -> list[int]:
     """Like :func:`time_memcpy`, but one ``dst[r] = src[l]`` per block: each byte copied once
     (fancy indexing copies it twice, gather then scatter), at a Python step per block."""
-    clock = time.perf_counter_ns
     pairs = list(zip(local, remote, strict=True))
-    samples: list[int] = []
-    for i in range(warmup + iters):
-        t0 = clock()
+
+    def copy() -> None:
         for l_idx, r_idx in pairs:
             dst[r_idx] = src[l_idx]
-        t1 = clock()
-        if i >= warmup:
-            samples.append(t1 - t0)
-    return samples
+
+    return _timed(copy, iters, warmup)

@@ -226,9 +226,7 @@ def encode_control(msg: ControlMessage) -> bytes:
 
 def decode_control(data: bytes) -> ControlMessage:
     """Decode and validate one control message; raise :class:`ProtocolError` on anything wrong."""
-    if len(data) > MAX_CONTROL_BYTES:
-        raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    msg: ControlMessage = _decode(_control_decoder, data, "control message")
+    msg: ControlMessage = decode_bounded(_control_decoder, data, MAX_CONTROL_BYTES, "control message")
     if isinstance(msg, Hello):  # Welcome too; the version is checked by the handshake
         check_layout(msg.base_addr, msg.num_blocks, msg.block_len)
     return msg
@@ -262,11 +260,20 @@ def decode_header(buffer: bytes | bytearray | memoryview) -> DataHeader:
     return header
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[T], data: bytes | memoryview, what: str) -> T:
+def _decode(decoder: msgspec.msgpack.Decoder[T] | msgspec.json.Decoder[T], data: bytes | memoryview, what: str) -> T:
     try:
         return decoder.decode(data)
     except Exception as exc:  # a trust boundary: every failure becomes a ProtocolError
         raise ProtocolError(f"invalid {what}: {exc}") from None
+
+
+def decode_bounded(
+    decoder: msgspec.msgpack.Decoder[T] | msgspec.json.Decoder[T], data: bytes, limit: int, what: str
+) -> T:
+    """Decode untrusted ``data`` of at most ``limit`` bytes; anything wrong is a :class:`ProtocolError`."""
+    if len(data) > limit:
+        raise ProtocolError(f"{what} of {len(data)} bytes exceeds {limit}")
+    return _decode(decoder, data, what)
 
 
 def validate_write(req: WriteRequest, num_blocks: int, max_blocks: int) -> int:

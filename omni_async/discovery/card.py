@@ -14,7 +14,7 @@ import msgspec
 from ..auth import split_address
 from ..config import CONNECT_RULE
 from ..errors import ProtocolError
-from ..wire import MAX_METADATA_BYTES, MAX_PEER_ID
+from ..wire import MAX_METADATA_BYTES, MAX_PEER_ID, decode_bounded
 
 __all__ = ["Card", "card_key", "decode_card", "encode_card", "group_prefix", "peer_id_of"]
 
@@ -71,12 +71,7 @@ def decode_card(blob: bytes, peer_id: str) -> Card:
     Raises :class:`ProtocolError` for anything but a valid card naming ``peer_id`` (garbage,
     foreign JSON, oversize, a card stored under another peer's key).
     """
-    if len(blob) > MAX_METADATA_BYTES:
-        raise ProtocolError(f"card of {len(blob)} bytes exceeds {MAX_METADATA_BYTES}")
-    try:
-        card = _DECODER.decode(blob)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise ProtocolError(f"malformed card: {exc}") from None
+    card = decode_bounded(_DECODER, blob, MAX_METADATA_BYTES, "card")
     if card.peer_id != peer_id:
         raise ProtocolError(f"card under key {peer_id!r} names peer {card.peer_id!r}")
     return card

@@ -11,7 +11,7 @@ from typing import Annotated, NamedTuple
 import msgspec
 
 from ..errors import ProtocolError
-from ..wire import MAX_METADATA_BYTES, MAX_PEER_ID
+from ..wire import MAX_METADATA_BYTES, MAX_PEER_ID, decode_bounded
 
 __all__ = ["AgentCard", "decode_agent_metadata", "encode_agent_metadata"]
 
@@ -53,10 +53,5 @@ def decode_agent_metadata(blob: bytes) -> AgentCard:
     """
     if not isinstance(blob, bytes | bytearray | memoryview):
         raise ProtocolError(f"agent metadata must be bytes, got {type(blob).__name__}")
-    if len(blob) > MAX_METADATA_BYTES:
-        raise ProtocolError(f"agent metadata of {len(blob)} bytes exceeds {MAX_METADATA_BYTES}")
-    try:
-        card = _DECODER.decode(blob)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise ProtocolError(f"malformed agent metadata: {exc}") from None
+    card = decode_bounded(_DECODER, bytes(blob), MAX_METADATA_BYTES, "agent metadata")
     return AgentCard(card.address, card.peer_id, card.fingerprint)
