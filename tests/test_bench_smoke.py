@@ -94,7 +94,8 @@ def test_idle_reports_cpu() -> None:
 def test_chunks_quick_reports_ratios(tmp_path: Path) -> None:
     plot = tmp_path / "chunks.svg"
     report = bench("chunks", "--quick", *plot_args(plot), timeout=50)
-    assert {"chunk_a", "chunk_stream", "chunk_a_tcp", "chunk_stream_tcp"} | CHUNK_ZMQ_KEYS <= set(report["ratios"])
+    assert {"chunk_a", "chunk_stream", "chunk_a_tcp", "chunk_stream_tcp", "notice_rt", "notice_rt_tcp"} \
+        | CHUNK_ZMQ_KEYS <= set(report["ratios"])
     for name, ratio in report["ratios"].items():
         assert ratio["vs_memcpy"] > 0, name
         # the pyzmq baseline ran beside every row, same shapes (its receiver checked every chunk)
