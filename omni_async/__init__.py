@@ -39,7 +39,7 @@ if TYPE_CHECKING:
         UnknownPeer,
         VersionMismatch,
     )
-    from .region import BlockRegion, config_fingerprint
+    from .region import BlockRegion, RegionSet, config_fingerprint
     from .transport import Transfer
     from .transport.notices import Notice
 
@@ -51,6 +51,7 @@ _HOMES: dict[str, str] = {
     "AgentConfig": ".config",
     "load_config": ".config",
     "BlockRegion": ".region",
+    "RegionSet": ".region",
     "config_fingerprint": ".region",
     "Transfer": ".transport",
     "Notice": ".transport.notices",
@@ -95,6 +96,7 @@ __all__ = [
     "PeerLost",
     "ProtocolError",
     "ReadsNotAllowed",
+    "RegionSet",
     "Transfer",
     "TransferCancelled",
     "TransferError",

@@ -23,10 +23,11 @@ from .control import ControlPlane
 from .errors import ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import LocalIdentity, PeerInfo
 from .metrics import Metrics, serve_metrics
-from .region import BlockRegion, config_fingerprint
+from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
 from .transport.notices import Notice, NoticeSink
 from .transport.shared import advertise
+from .wire import Layer
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,19 @@ PeerListener = Callable[[PeerEvent], None]
 
 
 class Agent:
-    """Block transfers between this process's ``region`` and its peers'."""
+    """Block transfers between this process's ``region`` and its peers'.
 
-    def __init__(self, region: BlockRegion, config: AgentConfig | None = None) -> None:
+    ``region`` may be a :class:`~omni_async.region.RegionSet` (one region per layer, sharing
+    ``num_blocks``): a block index then moves that block in every region; :attr:`region` is
+    the set's first region and :attr:`regions` the set.
+    """
+
+    def __init__(self, region: BlockRegion | RegionSet, config: AgentConfig | None = None) -> None:
+        self.regions = as_region_set(region)
+        region = self.regions.regions[0]
         self.region = region
         self.config = config or AgentConfig()
+        share = self.config.same_host_lane
         self.identity = LocalIdentity(
             peer_id=self.config.resolved_peer_id(),
             base_addr=region.base_addr,
@@ -57,9 +66,11 @@ class Agent:
             fingerprint=config_fingerprint(self.config.config_fields),
             max_write_blocks=self.config.max_write_blocks,
             max_message_bytes=self.config.max_message_bytes,
-            region_share=advertise(region) if self.config.same_host_lane else None,
+            region_share=advertise(region) if share else None,
             max_notice_bytes=self.config.max_notice_bytes,
             allow_reads=self.config.allow_reads,
+            layers=tuple(Layer(other.base_addr, other.block_len, advertise(other) if share else None)
+                         for other in self.regions.regions[1:]),
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None
@@ -78,7 +89,7 @@ class Agent:
             return self
         check_ucx_environment(self.config, os.environ)
         self._transport = UcxTransport(
-            self.region, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
+            self.regions, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
         )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         self.metrics.heartbeat = self._control.last_seen

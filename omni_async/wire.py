@@ -52,6 +52,8 @@ DEFAULT_MAX_WRITE_BLOCKS: Final = 1 << 20
 """A receiver's ``max_write_blocks`` when its Hello does not announce one."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30
 """A receiver's ``max_message_bytes`` when its Hello does not announce one."""
+MAX_LAYERS: Final = 256
+"""Most regions in a region set (a block index moves its block in each)."""
 READ_RUNS_PER_REQUEST: Final = 2048
 """Most runs in one :class:`ReadRequest` (three 9-byte integers a run in the worst case)."""
 MAX_NOTICE_BYTES: Final = 4096
@@ -88,6 +90,15 @@ class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     proof_addr: NonNeg = 0
 
 
+class Layer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One more region of a region set: its address, block length and same-host offer (the
+    first region is described by the :class:`Hello` itself)."""
+
+    base_addr: NonNeg
+    block_len: Count
+    region_share: RegionShare | None = None
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """First message of a handshake; :class:`Welcome` is the same description of the other side.
 
@@ -115,6 +126,8 @@ class Hello(_Msg, tag="hello", frozen=True):
     """Largest notice the sender accepts on an incoming write (0: it takes none)."""
     allow_reads: bool = False
     """Peers may read the sender's region (``read_blocks``)."""
+    layers: Annotated[list[Layer], msgspec.Meta(max_length=MAX_LAYERS - 1)] = []
+    """The other regions of the sender's region set, in order (empty: one region)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -229,6 +242,8 @@ def decode_control(data: bytes) -> ControlMessage:
     msg: ControlMessage = decode_bounded(_control_decoder, data, MAX_CONTROL_BYTES, "control message")
     if isinstance(msg, Hello):  # Welcome too; the version is checked by the handshake
         check_layout(msg.base_addr, msg.num_blocks, msg.block_len)
+        for layer in msg.layers:
+            check_layout(layer.base_addr, msg.num_blocks, layer.block_len)
     return msg
 
 

@@ -53,7 +53,7 @@ from ..errors import (
 )
 from ..handshake import PeerInfo
 from ..metrics import Kind, Metrics
-from ..region import BlockRegion, Run, plan_runs
+from ..region import BlockRegion, RegionSet, Run, as_region_set, plan_runs
 from ..wire import (
     DATA_KIND,
     FULL_MASK,
@@ -62,6 +62,7 @@ from ..wire import (
     MAX_HEADER_BYTES,
     MAX_PENDING_PAYLOADS,
     READ_RUNS_PER_REQUEST,
+    RUNS_PER_REQUEST,
     SEQ_MASK,
     Abort,
     Ack,
@@ -80,7 +81,7 @@ from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
 from .protocol import Inbox, Outbox
-from .shared import DirectWriter, MappedRegion, open_writer
+from .shared import Writers, open_writers
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -150,9 +151,9 @@ class _Link:
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
-    direct: DirectWriter | None = None
-    """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
-    block payloads go through UCX."""
+    direct: Writers | None = None
+    """Write blocks straight into the peer's regions, one per region of its set (same host,
+    see :mod:`.shared`); None: block payloads go through UCX."""
     noticed: set[int] = field(default_factory=set)
     """Transfers to the peer that carry a notice (the peer is told if they are given up)."""
     notices: NoticeBook[Callable[[], None]] = field(init=False)
@@ -187,16 +188,24 @@ class _Countdown:
 
 
 class UcxTransport:
-    """Data plane of one agent over ``region``.  All methods run on the agent's event loop.
+    """Data plane of one agent over ``region`` (or a region set: every block index names its
+    block in each region, and moves in all of them).  All methods run on the agent's event loop.
 
     ``fault(peer_id, error)`` is called when a peer broke the protocol; the owner should drop
     it (``remove_peer``).  Chunk messages go to :attr:`message_sink` (unset: refused).
     """
 
     def __init__(
-        self, region: BlockRegion, config: AgentConfig, fault: FaultCallback, metrics: Metrics, host_id: str = ""
+        self,
+        region: BlockRegion | RegionSet,
+        config: AgentConfig,
+        fault: FaultCallback,
+        metrics: Metrics,
+        host_id: str = "",
     ) -> None:
-        self.region = region
+        self.regions = as_region_set(region)
+        self.region = self.regions.regions[0]
+        self._arrays = self.regions.arrays
         self.host_id = host_id
         self.config = config
         self.metrics = metrics
@@ -249,7 +258,7 @@ class UcxTransport:
             receive_bytes=receive_budget(self.config.max_message_bytes),
         )
         if self.config.same_host_lane:
-            link.direct = open_writer(peer, self.host_id)
+            link.direct = open_writers(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
@@ -360,8 +369,9 @@ class UcxTransport:
 
     def _write_runs(self, link: _Link, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:
         """Write checked runs (``local``: our rows, ``remote``: the peer's) to the peer."""
-        block_len = self.region.block_len
-        transfer = self._new_transfer(link, blocks * block_len, "blocks")
+        block_bytes = self.regions.block_bytes
+        layers = len(self._arrays)
+        transfer = self._new_transfer(link, blocks * block_bytes, "blocks")
         if not runs:
             self._settle(link, transfer.id, None)  # nothing to move: done, and not left in flight
             return transfer
@@ -370,7 +380,9 @@ class UcxTransport:
         direct = link.direct
         placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
         requests: list[tuple[int, int, Callable[[], None]]] = []
-        split = split_runs(runs, link.peer.max_write_blocks)
+        # A run is one payload message per region unless gathered: keep a request within the
+        # receiver's bound on payload messages pending.
+        split = split_runs(runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers))
         if notice is not None:
             link.noticed.add(transfer.id)
         for part, request in enumerate(split):
@@ -380,12 +392,13 @@ class UcxTransport:
                 # on writes with notices pending is the window's.
                 requests.append((0 if tag is None else 1, 0, partial(self._place, link, transfer.id, request, tag)))
                 continue
-            nbytes = sum(run.length for run in request) * block_len
+            nbytes = sum(run.length for run in request) * block_bytes
+            messages = len(request) * layers
             # Many small runs: one gathered message (Python cost per message dominates).  Large
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
-            gather = link.gather and len(request) > 1 and nbytes < _GATHER_MAX_RUN * len(request)
+            gather = link.gather and messages > 1 and nbytes < _GATHER_MAX_RUN * messages
             post = partial(self._post_write, link, transfer.id, request, gather, tag)
-            requests.append((1 if gather else len(request), 0, post))
+            requests.append((1 if gather else messages, 0, post))
         _carry_out(link.outbox.submit(transfer.id, requests))
         return transfer
 
@@ -406,14 +419,14 @@ class UcxTransport:
         if not link.peer.allow_reads:
             raise ReadsNotAllowed(f"peer {peer_id!r} does not allow reads of its region")
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
-        transfer = self._new_transfer(link, len(local_idxs) * self.region.block_len, "blocks")
+        transfer = self._new_transfer(link, len(local_idxs) * self.regions.block_bytes, "blocks")
         direct = link.direct
         if not runs:
             self._settle(link, transfer.id, None)
             return transfer
-        if isinstance(direct, MappedRegion) and max(run.remote + run.length for run in runs) <= direct.num_blocks:
+        if direct is not None and direct.mapped and max(run.remote + run.length for run in runs) <= direct.num_blocks:
             try:
-                direct.fetch(self.region.array, runs)
+                direct.fetch(self._arrays, runs)
             except OSError as exc:  # unmapped meanwhile: cannot happen on the loop, but say why
                 self._settle(link, transfer.id, TransferFailed(f"same-host read failed: {exc}"))
             else:
@@ -432,7 +445,7 @@ class UcxTransport:
         once that write is acknowledged (or refuse it, with the reason)."""
         if self._closed or self._links.get(link.peer.peer_id) is not link:
             return  # leaving: no new writes to it
-        block_len = self.region.block_len
+        block_bytes = self.regions.block_bytes
         refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
         if not self.config.allow_reads:
             log.warning("refused read %d from %s: reads are not allowed", req.transfer_id, link.peer.peer_id)
@@ -445,7 +458,7 @@ class UcxTransport:
                 return
         blocks = sum(run.length for run in runs)
         write = self._write_runs(link, runs, blocks, None)
-        answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_len)
+        answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_bytes)
         write.add_done_callback(lambda done: answer(done.error()))
 
     def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
@@ -455,8 +468,7 @@ class UcxTransport:
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
-        array = self.region.array
-        rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs]
+        rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs for array in self._arrays]
         if gather:
             lane.send_many(rows, data_tag(seq), on_sent)  # one message, gathered from the rows
         else:
@@ -476,7 +488,7 @@ class UcxTransport:
             self._settle(link, transfer_id, TransferFailed("the same-host lane to the peer was closed"))
             return
         try:
-            direct.place(self.region.array, runs)
+            direct.place(self._arrays, runs)
         except OSError as exc:
             self._drop_direct(link)
             if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
@@ -699,7 +711,9 @@ class UcxTransport:
         _carry_out(posts)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
-        array = self.region.array
+        """A block write: each run's rows of every region of the set, run by run (gathered:
+        one payload message; else one per run and region, in that order)."""
+        messages = 1 if req.gathered else len(req.runs) * len(self._arrays)
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
@@ -712,15 +726,15 @@ class UcxTransport:
             else:
                 self._drain(link, req, InvalidBlocks(str(exc)), refuse)
             return
-        finish = self._answerer(link, req, blocks * self.region.block_len, valid=True)
+        finish = self._answerer(link, req, blocks * self.regions.block_bytes, valid=True)
         if finish is None:
             return
         if req.placed:  # the sender already copied the rows into our region; no payload follows
             finish(None)
             return
-        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
+        if not self._admit(link, req.seq, messages, 0):
             return
-        rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
+        rows = [array[start : start + count].reshape(-1) for start, count in req.runs for array in self._arrays]
         if req.gathered:
             self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
         else:
@@ -764,17 +778,17 @@ class UcxTransport:
     def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks, refuse: Completion) -> None:
         """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
         lingers in UCX's queues), then send the refusal."""
-        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
+        lens = self.regions.block_lens
+        sizes = [count * block_len for _, count in req.runs for block_len in lens]
+        if not self._admit(link, req.seq, 1 if req.gathered else len(sizes), 0):
             return
-        block_len = self.region.block_len
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
-        parts = _Countdown(1 if req.gathered else len(req.runs), lambda _error: refuse(reason))
+        parts = _Countdown(1 if req.gathered else len(sizes), lambda _error: refuse(reason))
         if req.gathered:
-            total = sum(count for _, count in req.runs)
-            self._expect(link, req.seq, [link.scratch], parts.done, total * block_len)
+            self._expect(link, req.seq, [link.scratch], parts.done, sum(sizes))
         else:
-            for i, (_, count) in enumerate(req.runs):
-                if not self._expect(link, req.seq + i, [link.scratch], parts.done, count * block_len):
+            for i, size in enumerate(sizes):
+                if not self._expect(link, req.seq + i, [link.scratch], parts.done, size):
                     return
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:

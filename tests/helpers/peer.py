@@ -31,6 +31,9 @@
   receives and verifies every chunk (:func:`omni_async.workload.receive`) and prints
   ``{"verified": ok chunks, "bad": corrupted + reordered + missing}``.
 
+``serve`` and ``notices`` take an optional sixth argument, block lengths separated by commas:
+the agent then serves a region set of that many regions (allocated, REGION_FILE unused).
+
 A REGION_FILE ending in ``.memfd`` is not used: the region is allocated (in a memfd, see
 :mod:`omni_async.memfd`) instead of mapped from the file, and ``serve`` adds the process id
 and the memfd's ``fd`` and ``token`` to its first line.
@@ -53,6 +56,7 @@ import numpy as np
 
 from omni_async import Agent, BlockRegion, load_config
 from omni_async.eventloop import run
+from omni_async.region import RegionSet
 
 
 def region_file(path: str, num_blocks: int, block_len: int) -> BlockRegion:
@@ -70,7 +74,9 @@ async def main(argv: list[str]) -> None:
     if role == "streams":
         await streams(path, json.loads(config_json))
         return
-    region = region_file(path, int(num_blocks), int(block_len))
+    region: BlockRegion | RegionSet = region_file(path, int(num_blocks), int(block_len))
+    if role in ("serve", "notices") and len(argv) > 5:
+        region = RegionSet.allocate(int(num_blocks), [int(n) for n in argv[5].split(",")])
     config = load_config(json.loads(config_json), environ={})
     async with Agent(region, config) as agent:
         if role == "notices":
@@ -89,7 +95,7 @@ async def main(argv: list[str]) -> None:
             agent.add_peer_listener(lambda e: say({
                 "event": e.kind, "peer": e.peer_id, "at": time.monotonic(),
                 "error": type(e.error).__name__ if e.error else None}))
-            segment = region.segment
+            segment = agent.region.segment
             shared = {"pid": os.getpid(), "fd": segment.fd, "token": segment.token} if segment else {}
             say({"address": agent.control_address, "peer_id": agent.peer_id, **shared})
             say({"tls": agent.transport.ucx_config["TLS"]})
