@@ -17,6 +17,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from .compat_side import BUDGET_S, MAX_ITERS, POLL_MODES, CompatSide
 from .compat_side import ROWS as COMPAT_ROWS
 from .hostload import ForeignLoad
@@ -81,14 +84,14 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
     nixl: dict[str, NixlSide] = {}
     compat = CompatSide() if opts.compat and SHM in modes else None
     try:
-        for tag in ("src", "dst-omni", "dst-nixl", "dst-memcpy", "dst-compat"):
+        for tag in ("src", "dst-nixl", "dst-memcpy", "dst-compat"):
             files.append(ShmFile(tag, REGION_BYTES))
-        src, dst_omni, dst_nixl, dst_memcpy, dst_compat = files
+        src, dst_nixl, dst_memcpy, dst_compat = files
         fill_random(src.flat, seed=7)
         async with Children() as children:
             try:
                 async with asyncio.TaskGroup() as starting:  # children start side by side
-                    starting.create_task(omni.start(children, src, dst_omni, modes, list(GEOMETRIES)))
+                    starting.create_task(omni.start(children, src, modes, list(GEOMETRIES)))
                     if compat is not None:
                         starting.create_task(compat.start(children, src, dst_compat, list(GEOMETRIES)))
                     for mode in modes:
@@ -101,7 +104,7 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
                     for _ in range(rounds):
                         for mode, workload in plan:
                             await _one(
-                                mode, workload, samples, omni, nixl[mode.name], src, dst_omni, dst_nixl, dst_memcpy
+                                mode, workload, samples, omni, nixl[mode.name], src, dst_nixl, dst_memcpy
                             )
                             if compat is not None and mode is SHM and workload.name in COMPAT_ROWS.values():
                                 await _one_compat(workload, samples, compat, src, dst_compat, opts.quick)
@@ -118,7 +121,7 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
 
 async def _one(
     mode: Mode, w: Workload, samples: _Samples, omni: OmniSide, nixl: NixlSide,
-    src: ShmFile, dst_omni: ShmFile, dst_nixl: ShmFile, dst_memcpy: ShmFile,
+    src: ShmFile, dst_nixl: ShmFile, dst_memcpy: ShmFile,
 ) -> None:
     """One round of one row: memcpy, omni_async, NIXL, each verified after its loop."""
     row = w.name + mode.suffix
@@ -126,33 +129,36 @@ async def _one(
     local, remote = w.indices()
     src_rows = src.rows(g.block_len)
 
-    def reset(dst: ShmFile) -> None:
-        dst.rows(g.block_len)[remote] = 0
+    def reset(dst: npt.NDArray[np.uint8]) -> None:
+        dst[remote] = 0
 
-    def verify(dst: ShmFile, who: str) -> None:
-        if not blocks_match(src_rows, dst.rows(g.block_len), local, remote):
+    def verify(dst: npt.NDArray[np.uint8], who: str) -> None:
+        if not blocks_match(src_rows, dst, local, remote):
             raise VerificationError(f"{who}: destination blocks of {row} differ from the source")
 
-    reset(dst_memcpy)
-    samples.add(row, "memcpy", time_memcpy(src_rows, dst_memcpy.rows(g.block_len), local, remote, w.iters, w.warmup))
-    verify(dst_memcpy, "memcpy")
-    reset(dst_memcpy)
-    samples.add(row, "memcpy_rows", time_row_copies(src_rows, dst_memcpy.rows(g.block_len), local, remote, w.iters,
-                                                    w.warmup))
-    verify(dst_memcpy, "memcpy_rows")
+    memcpy_rows = dst_memcpy.rows(g.block_len)
+    reset(memcpy_rows)
+    samples.add(row, "memcpy", time_memcpy(src_rows, memcpy_rows, local, remote, w.iters, w.warmup))
+    verify(memcpy_rows, "memcpy")
+    reset(memcpy_rows)
+    samples.add(row, "memcpy_rows", time_row_copies(src_rows, memcpy_rows, local, remote, w.iters, w.warmup))
+    verify(memcpy_rows, "memcpy_rows")
 
-    reset(dst_omni)
+    omni_rows = omni.destination(mode, g)
+    reset(omni_rows)
     samples.add(row, "omni_async", await omni.time_writes(mode, g, local, remote, w.iters, w.warmup))
-    verify(dst_omni, "omni_async")
+    verify(omni_rows, "omni_async")
+    del omni_rows  # the mapping closes with the side
 
     if nixl.available:
-        reset(dst_nixl)
+        nixl_rows = dst_nixl.rows(g.block_len)
+        reset(nixl_rows)
         try:
             samples.add(row, "nixl", await nixl.time_writes(g, local, remote, w.iters, w.warmup))
         except ChildError as exc:
             nixl.reason = f"failed during {row}: {exc}"
             return
-        verify(dst_nixl, "nixl")
+        verify(nixl_rows, "nixl")
 
 
 async def _one_compat(

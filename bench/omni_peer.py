@@ -2,9 +2,11 @@
 
 ``python -m bench.omni_peer serve SPEC_JSON``
   SPEC is a list of ``{"path", "num_blocks", "block_len", "config"}``: one :class:`Agent` per
-  entry over the memory-mapped file ``path`` (shared with the bench process, which checks the
-  bytes), configured by ``config`` (a mapping for :func:`omni_async.load_config`).  Prints
-  ``{"addresses": [...], "peer_ids": [...]}`` once all listen, then serves until stdin closes.
+  entry over the memory-mapped file ``path``, or, with ``path`` null, over a region it allocates
+  (a memfd, as services do), configured by ``config`` (a mapping for
+  :func:`omni_async.load_config`).  Prints ``{"addresses": [...], "peer_ids": [...], "shares":
+  [...]}`` once all listen (``shares``: each region's same-host share, which the bench process maps
+  to check the bytes), then serves until stdin closes.
 
 ``python -m bench.omni_peer dial SPEC_JSON ADDRESS``
   one agent (SPEC holds one entry; ``path`` may be null for an owned region) that connects to
@@ -18,10 +20,12 @@ import json
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from omni_async import Agent, BlockRegion, load_config
 from omni_async.eventloop import run
+from omni_async.transport.shared import advertise
 
 from .procs import say, until_stdin_closes
 
@@ -43,7 +47,11 @@ async def main(argv: list[str]) -> None:
             for e in spec
         ]
         if role == "serve":
-            say({"addresses": [a.control_address for a in agents], "peer_ids": [a.peer_id for a in agents]})
+            say({
+                "addresses": [a.control_address for a in agents],
+                "peer_ids": [a.peer_id for a in agents],
+                "shares": [msgspec.to_builtins(advertise(a.region)) for a in agents],
+            })
         elif role == "dial":
             say({"connected": await agents[0].connect(argv[2])})
         else:

@@ -1,8 +1,9 @@
 """The omni_async contender: sender agents in the bench process, receivers in a child.
 
 :class:`OmniSide` starts one child (``bench.omni_peer serve``) hosting one receiving agent per
-(mode, geometry) over the destination file, and one sending agent per (mode, geometry) here,
-over the source file, each connected to its counterpart.  :meth:`OmniSide.time_writes` awaits
+(mode, geometry) over a region the agent allocates (a memfd, as a service's is; this process maps
+it to check the bytes), and one sending agent per (mode, geometry) here, over the source file,
+each connected to its counterpart.  :meth:`OmniSide.time_writes` awaits
 ``agent.write_blocks`` in a loop, one transfer in flight; a transfer settles on the
 receiver's acknowledgement, so the bytes are in place when the await returns.
 """
@@ -13,7 +14,13 @@ import contextlib
 import json
 import time
 
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
 from omni_async import Agent, AgentConfig, BlockRegion, load_config
+from omni_async.transport.shared import MappedRegion
+from omni_async.wire import RegionShare
 
 from .modes import Mode
 from .procs import Children
@@ -26,17 +33,18 @@ class OmniSide:
 
     def __init__(self) -> None:
         self._senders: dict[tuple[str, str], tuple[Agent, str]] = {}
+        self._destinations: dict[tuple[str, str], MappedRegion] = {}
         self._stack = contextlib.AsyncExitStack()
         self.config: dict[str, dict[str, object]] = {}
 
     async def start(
-        self, children: Children, src: ShmFile, dst: ShmFile, modes: list[Mode], geometries: list[Geometry]
+        self, children: Children, src: ShmFile, modes: list[Mode], geometries: list[Geometry]
     ) -> OmniSide:
         """Spawn the receiver child and connect one sender per (mode, geometry)."""
         pairs = [(m, g) for m in modes for g in geometries]
         spec = [
             {
-                "path": dst.path,
+                "path": None,
                 "num_blocks": g.num_blocks,
                 "block_len": g.block_len,
                 "config": m.omni_config(f"recv-{m.name}-{g.name}"),
@@ -45,7 +53,12 @@ class OmniSide:
         ]
         receiver = await children.start("bench.omni_peer", ["serve", json.dumps(spec)])
         try:
-            for (mode, geometry), address in zip(pairs, receiver.ready["addresses"], strict=True):
+            ready = receiver.ready
+            for (mode, geometry), address, share in zip(pairs, ready["addresses"], ready["shares"], strict=True):
+                region_share = msgspec.convert(share, RegionShare)
+                self._destinations[mode.name, geometry.name] = MappedRegion(
+                    region_share, geometry.num_blocks, geometry.block_len
+                )
                 config: AgentConfig = load_config(mode.omni_config(f"send-{mode.name}-{geometry.name}"), environ={})
                 self.config[mode.name] = {"ucx_tls": config.ucx_tls, "ucx_net_devices": config.ucx_net_devices}
                 region = BlockRegion.wrap(src.rows(geometry.block_len))
@@ -56,6 +69,10 @@ class OmniSide:
             await self.close()
             raise
         return self
+
+    def destination(self, mode: Mode, geometry: Geometry) -> npt.NDArray[np.uint8]:
+        """The receiving agent's region for (mode, geometry), mapped here to reset and check it."""
+        return self._destinations[mode.name, geometry.name].rows
 
     async def time_writes(
         self, mode: Mode, geometry: Geometry, local: list[int], remote: list[int], iters: int, warmup: int
@@ -76,3 +93,6 @@ class OmniSide:
         """Close every sender agent (the receiver child is stopped by its :class:`Children`)."""
         self._senders.clear()
         await self._stack.aclose()
+        for mapped in self._destinations.values():
+            mapped.close()
+        self._destinations.clear()
