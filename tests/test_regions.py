@@ -99,6 +99,23 @@ async def test_64_scattered_blocks_by_32_layers_split_within_the_receivers_bound
     assert "a" in b.peers  # nothing over a bound: the peer was not dropped
 
 
+@pytest.mark.parametrize("lane", LANES)
+async def test_concurrent_writes_of_a_set_keep_their_payloads_apart(make_set_agent, lane):
+    """Each write request takes one sequence number per payload message: one per run and
+    region when not gathered, so concurrent writes never share a tag."""
+    lens = [8192, 1024, 2048]
+    a = await make_set_agent(RegionSet.allocate(64, lens), peer_id="a", **lane)
+    b = await make_set_agent(RegionSet.allocate(64, lens), peer_id="b", **lane)
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    fill(a.regions, 4)
+    writes = [a.write_blocks("b", [i, i + 1, i + 5], [63 - i, 62 - i, 40 - i]) for i in range(0, 16, 2)]
+    await asyncio.wait_for(asyncio.gather(*writes), 10)
+    for i in range(0, 16, 2):
+        for src, dst in zip(a.regions.arrays, b.regions.arrays, strict=True):
+            assert np.array_equal(dst[[63 - i, 62 - i, 40 - i]], src[[i, i + 1, i + 5]])
+    assert "a" in b.peers
+
+
 async def test_layout_mismatch_is_refused_naming_the_region(make_set_agent):
     a = await make_set_agent(RegionSet.allocate(16, [4096, 1024]), peer_id="a")
     b = await make_set_agent(RegionSet.allocate(16, [4096, 2048]), peer_id="b")

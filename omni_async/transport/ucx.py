@@ -463,7 +463,7 @@ class UcxTransport:
 
     def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
-        seq = link.outbox.take_seq(1 if gather else len(runs))
+        seq = link.outbox.take_seq(1 if gather else len(runs) * len(self._arrays))
         header = _write_request(transfer_id, seq, runs, tag, gathered=gather)
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
