@@ -3,7 +3,8 @@
 Data moves over UCX (``ucxx``), peers meet over ZeroMQ; every transfer is awaitable.
 
 The names below load on first use: importing a sans-I/O module (``omni_async.wire``,
-``.region``, ``.serde``, ``.handshake``, ``.errors``, ``.config``) loads neither ucxx nor zmq.
+``.region``, ``.serde``, ``.handshake``, ``.session``, ``.errors``, ``.config``) loads neither
+ucxx nor zmq.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
         VersionMismatch,
     )
     from .region import BlockRegion, RegionSet, config_fingerprint
+    from .session import SessionEvent
     from .transport import Transfer
     from .transport.notices import Notice
 
@@ -53,6 +55,7 @@ _HOMES: dict[str, str] = {
     "BlockRegion": ".region",
     "RegionSet": ".region",
     "config_fingerprint": ".region",
+    "SessionEvent": ".session",
     "Transfer": ".transport",
     "Notice": ".transport.notices",
 }
@@ -97,6 +100,7 @@ __all__ = [
     "ProtocolError",
     "ReadsNotAllowed",
     "RegionSet",
+    "SessionEvent",
     "Transfer",
     "TransferCancelled",
     "TransferError",

@@ -1,7 +1,8 @@
 """The :class:`Agent`: a block region exposed to peers through a control plane and UCX lanes.
 
 It is the async equivalent of the seed ``DataTransport``: peers join by a ZeroMQ handshake
-(either side may dial), blocks move with :meth:`Agent.write_blocks`, which returns an awaitable
+(either side may dial, both at once too: exactly one handshake joins the pair, see
+:func:`~omni_async.handshake.admit`), blocks move with :meth:`Agent.write_blocks`, which returns an awaitable
 :class:`~omni_async.transport.Transfer`, and a lost peer fails its transfers with
 :class:`~omni_async.errors.PeerLost` within the heartbeat timeout.
 
@@ -12,19 +13,22 @@ lanes) is stopped by ``await agent.close()``, which is idempotent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .config import AgentConfig, check_ucx_environment
-from .control import ControlPlane
-from .errors import ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
-from .handshake import LocalIdentity, PeerInfo
+from .control import ControlConnection, ControlPlane
+from .errors import AlreadyConnected, ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
+from .handshake import Connection, LocalIdentity, PeerInfo, Verdict, admit
 from .metrics import Metrics, serve_metrics
 from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
+from .session import PeerSession, Phase, SessionEvent
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
+from .transport.lane import Lane
 from .transport.notices import Notice, NoticeSink
 from .transport.shared import advertise
 from .wire import Layer
@@ -42,6 +46,7 @@ class PeerEvent:
 
 
 PeerListener = Callable[[PeerEvent], None]
+SessionListener = Callable[[SessionEvent], None]
 
 
 class Agent:
@@ -76,8 +81,9 @@ class Agent:
         self._control: ControlPlane | None = None
         self.metrics = Metrics(self.identity.peer_id)
         self._listeners: list[PeerListener] = []
+        self._session_listeners: list[SessionListener] = []
+        self._sessions: dict[str, PeerSession] = {}  # the one record of each peer's state
         self._changed = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -122,10 +128,9 @@ class Agent:
             await self._transport.close()
         if self._control is not None:
             await self._control.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for session in list(self._sessions.values()):  # no PeerEvent: the owner is closing
+            self._session_event(session.move("gone", ClosedError("agent closed")))
+        self._sessions.clear()
         self.metrics.close()
         self._signal()
 
@@ -156,44 +161,73 @@ class Agent:
     @property
     def peers(self) -> dict[str, PeerInfo]:
         """Joined peers by id."""
-        return {pid: self.transport.peer(pid) for pid in self.transport.peer_ids}
+        return {pid: s.info for pid, s in self._sessions.items() if s.phase == "joined" and s.info is not None}
+
+    def session_phase(self, peer_id: str) -> Phase:
+        """Where the peer's session stands (``"gone"`` if there is none)."""
+        session = self._sessions.get(peer_id)
+        return "gone" if session is None else session.phase
+
+    def handshakes_in_progress(self, peer_id: str) -> int:
+        """How many handshakes of ``peer_id`` (dialled or being admitted) are in progress here."""
+        session = self._sessions.get(peer_id)
+        return 0 if session is None else session.pending
+
+    def dialled_by(self, peer_id: str) -> str:
+        """The peer id of the side that dialled the joined peer's connection; raises
+        :class:`~omni_async.errors.UnknownPeer` unless joined."""
+        self.transport.peer(peer_id)  # raises UnknownPeer
+        connection = self._sessions[peer_id].connection
+        assert connection is not None
+        return connection.dialled_by
 
     async def connect(self, address: str) -> str:
-        """Handshake with the agent at ``address`` and return its peer id.
+        """Handshake with the agent at ``address`` and return its peer id once joined.
 
-        Raises :class:`~omni_async.errors.HandshakeTimeout`, :class:`FingerprintMismatch`,
-        :class:`LayoutMismatch` (or another :class:`HandshakeRejected`) with the reason, and
-        :class:`AlreadyConnected` if the pair is joined, or being joined, through another
-        handshake (e.g. both sides dialled at once: dial from one side only).
+        Either side may dial at any moment, both at once too: of crossing handshakes exactly
+        one joins the pair (the one dialled by the smaller peer id, see
+        :func:`~omni_async.handshake.admit`); this returns once no other handshake of the pair
+        is in progress here.  Raises :class:`~omni_async.errors.HandshakeTimeout`,
+        :class:`FingerprintMismatch`, :class:`LayoutMismatch` (or another
+        :class:`HandshakeRejected`) with the reason, and :class:`AlreadyConnected` if the pair
+        is joined (or being joined) through another handshake: that one's connection stays.
         """
         control, transport = self._started_control(), self.transport
         lane = transport.open_lane()
-        info: PeerInfo | None = None
+        conn: ControlConnection | None = None
+        started = False
         try:
-            info = await control.connect(address, lane.address)
-            await transport.add_peer(info, lane)
-            if not control.has_peer(info.peer_id, info.nonce):  # lost while its lane was added
-                transport.remove_peer(info.peer_id)
-                raise PeerLost(f"peer {info.peer_id!r} left during the handshake")
+            conn = await control.connect(address, lane.address)
+            self._handshake_started(conn.info.peer_id)
+            started = True
+            self._check(conn)  # early refusal, before the lane is vetted
+            await transport.connect_lane(conn.info, lane)
+            self._commit(conn, lane)
         except BaseException as exc:
-            # Roll back both halves, whatever failed (a cancellation included); the far side
-            # gets a Bye so it does not keep a half-joined peer.
+            # Roll back, whatever failed (a cancellation included): the far side gets a Bye so
+            # it does not keep a half-joined peer, unless it joined the pair another way.
             transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
-            if info is not None:
-                control.abandon(info.peer_id, info.nonce, f"handshake abandoned: {type(exc).__name__}")
-            if isinstance(exc, ProtocolError) and info is not None:
-                raise HandshakeRejected(f"peer {info.peer_id!r} sent unusable agent metadata: {exc}") from None
+            if conn is not None:
+                crossed = isinstance(exc, AlreadyConnected)
+                control.release(conn, None if crossed else f"handshake abandoned: {type(exc).__name__}")
+            if isinstance(exc, ProtocolError) and conn is not None:
+                raise HandshakeRejected(f"peer {conn.info.peer_id!r} sent unusable agent metadata: {exc}") from None
             raise
-        self._emit(PeerEvent("joined", info.peer_id))
-        return info.peer_id
+        finally:
+            if started and conn is not None:
+                self._handshake_ended(conn.info.peer_id)
+        await self._settled(conn.info.peer_id)
+        return conn.info.peer_id
 
     async def remove_peer(self, peer_id: str) -> bool:
         """Fail the peer's in-flight transfers, say goodbye and forget it; False if unknown."""
-        removed = self.transport.remove_peer(peer_id, PeerLost(f"peer {peer_id!r} removed"), orderly=True)
-        await self._started_control().disconnect(peer_id, "removed")
-        if removed:
-            self._emit(PeerEvent("left", peer_id, PeerLost(f"peer {peer_id!r} removed")))
-        return removed
+        session = self._sessions.get(peer_id)
+        if session is None or session.phase != "joined":
+            return False
+        self._started_control()
+        error = PeerLost(f"peer {peer_id!r} removed")
+        self._leave(session, error, orderly=True, goodbye="removed")
+        return True
 
     async def wait_for_peer(self, peer_id: str | None = None, timeout: float | None = None) -> str:
         """Wait until ``peer_id`` (or, if None, any peer) has joined; return its id."""
@@ -201,7 +235,7 @@ class Agent:
             while True:
                 if self._closed:
                     raise ClosedError("agent is closed")
-                ids = self.transport.peer_ids
+                ids = list(self.peers)
                 if peer_id is None and ids:
                     return ids[0]
                 if peer_id is not None and peer_id in ids:
@@ -213,7 +247,7 @@ class Agent:
         control = self._control
         return {
             **self.metrics.snapshot(),
-            "peers": len(self.transport.peer_ids) if self._transport is not None else 0,
+            "peers": len(self.peers),
             "in_flight": len(self.transport.in_flight()) if self._transport is not None and not self._closed else 0,
             "control.rejected": control.stats.rejected if control else 0,
             "control.protocol_errors": control.stats.protocol_errors if control else 0,
@@ -223,6 +257,11 @@ class Agent:
     def add_peer_listener(self, listener: PeerListener) -> None:
         """Call ``listener(event)`` whenever a peer joins or leaves (on the loop)."""
         self._listeners.append(listener)
+
+    def add_session_listener(self, listener: SessionListener) -> None:
+        """Call ``listener(event)`` for every move of every peer session (on the loop): the
+        finer-grained view of what :meth:`add_peer_listener` reports as joined / left."""
+        self._session_listeners.append(listener)
 
     # -- transfers ---------------------------------------------------------------------------
     def write_blocks(
@@ -267,41 +306,133 @@ class Agent:
         """Cancel transfers with the seed's ``"immediate"`` / ``"wait"`` semantics."""
         return self.transport.cancel(transfer_ids, mode)
 
+    # -- sessions: every move of a peer's state goes through here ---------------------------
+    def _handshake_started(self, peer_id: str) -> None:
+        """Count a handshake of ``peer_id`` in progress, opening an admitting session if none.
+        A session stays in the table while any of its handshakes is in progress."""
+        session = self._sessions.get(peer_id)
+        if session is None:
+            session = self._sessions[peer_id] = PeerSession(peer_id)
+            self._session_event(SessionEvent(peer_id, "gone", "admitting"))
+        session.pending += 1
+
+    def _handshake_ended(self, peer_id: str) -> None:
+        session = self._sessions.get(peer_id)
+        if session is None:  # the agent closed meanwhile
+            return
+        session.pending -= 1
+        if session.pending == 0 and session.phase == "admitting":
+            self._forget(session, None)
+        self._signal()
+
+    def _check(self, conn: ControlConnection) -> Verdict:
+        """Apply the pair rules to a completed handshake; raises :class:`AlreadyConnected`."""
+        if self._closed:
+            raise ClosedError("agent is closed")
+        new = Connection(conn.info.nonce, conn.dialled_by)
+        return admit(self.peer_id, self._sessions[conn.info.peer_id].current(), new, conn.info.peer_id)
+
+    def _commit(self, conn: ControlConnection, lane: Lane) -> None:
+        """Join the pair through ``conn`` and ``lane`` (both connected), or raise
+        :class:`AlreadyConnected`.  Synchronous: nothing moves between decision and effect."""
+        verdict = self._check(conn)
+        peer_id = conn.info.peer_id
+        session = self._sessions[peer_id]
+        if verdict != "join":
+            why = "restarted" if verdict == "restart" else "reconnected through a crossing handshake"
+            error = PeerLost(f"peer {peer_id!r} {why}")
+            self.transport.remove_peer(peer_id, error)
+            if verdict == "restart":  # the old incarnation is gone; the session starts over
+                self._forget(session, error)
+            else:
+                log.info("peer %s %s", peer_id, why)
+        self.transport.add_peer(conn.info, lane)
+        self.control.install(conn)
+        session.info, session.connection, session.lane = conn.info, conn, lane
+        if session.phase == "admitting":
+            self._session_event(session.move("joined"))
+
+    async def _settled(self, peer_id: str) -> None:
+        """Wait until no other handshake of ``peer_id`` is in progress (one that crossed ours
+        may still replace the connection we joined with), for at most the handshake timeout:
+        the pair is joined either way."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.config.handshake_timeout):
+                while (session := self._sessions.get(peer_id)) is not None and session.pending > 0:
+                    await self._changed.wait()
+
+    def _leave(self, session: PeerSession, error: OmniAsyncError, *, orderly: bool, goodbye: str | None) -> None:
+        """Remove a joined peer: fail its transfers, close (``orderly``: drain) its lane, let its
+        control connection go (saying ``goodbye`` unless None)."""
+        connection = session.connection
+        self._session_event(session.move("leaving", error))
+        self.transport.remove_peer(session.peer_id, error, orderly=orderly)
+        if connection is not None:
+            self.control.release(connection, goodbye)
+        self._forget(session, error)
+
+    def _forget(self, session: PeerSession, error: OmniAsyncError | None) -> None:
+        """The session is gone; it starts over (admitting) if handshakes of the peer are in
+        progress, else it leaves the table."""
+        self._session_event(session.move("gone", error))
+        if session.pending:
+            self._session_event(session.move("admitting"))
+        elif self._sessions.get(session.peer_id) is session:
+            del self._sessions[session.peer_id]
+
     # -- callbacks from the control plane and the transport --------------------------------
-    async def _accept(self, info: PeerInfo) -> bytes:
-        """Add the peer's lane (a restarted peer's replaces the old one); on any failure or
-        cancellation the new lane is discarded and nothing else changes."""
-        lane = self.transport.open_lane()
+    async def _accept(self, conn: ControlConnection) -> bytes:
+        """Admit a peer's hello: vet and connect a new lane, then join the pair (or refuse).
+        On any failure or cancellation the new lane is discarded and nothing else changes."""
+        self._handshake_started(conn.info.peer_id)
         try:
-            # The control plane refused a second handshake of the same process (same nonce):
-            # a known id here is the peer's new incarnation.
-            replaced = await self.transport.add_peer(info, lane, replace=info.peer_id in self.control.peers)
-        except BaseException as exc:
-            self.transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
-            if isinstance(exc, ProtocolError):
-                raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
-            raise
-        if replaced:
-            self._emit(PeerEvent("left", info.peer_id, PeerLost(f"peer {info.peer_id!r} restarted")))
-        self._emit(PeerEvent("joined", info.peer_id))
+            self._check(conn)  # early refusal, before a lane is opened
+            lane = self.transport.open_lane()
+            try:
+                await self.transport.connect_lane(conn.info, lane)
+                self._commit(conn, lane)
+            except BaseException as exc:
+                self.transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
+                if isinstance(exc, ProtocolError):
+                    raise HandshakeRejected(f"unusable agent metadata: {exc}") from None
+                raise
+        finally:
+            self._handshake_ended(conn.info.peer_id)
         return lane.address
 
     def _lost(self, peer_id: str, error: OmniAsyncError, orderly: bool) -> None:
-        if self.transport.remove_peer(peer_id, error, orderly=orderly):
-            self._emit(PeerEvent("left", peer_id, error))
+        session = self._sessions.get(peer_id)
+        if session is not None and session.phase == "joined":
+            self._leave(session, error, orderly=orderly, goodbye=None)
 
     def _fault(self, peer_id: str, error: OmniAsyncError) -> None:
         level = logging.INFO if isinstance(error, PeerLost) else logging.WARNING
         log.log(level, "dropping peer %s: %s", peer_id, error)
-        self.transport.remove_peer(peer_id, error)
-        self._emit(PeerEvent("left", peer_id, error))
-        self._spawn(self._started_control().disconnect(peer_id, f"dropped: {error}"), f"omni-drop-{peer_id}")
+        session = self._sessions.get(peer_id)
+        if session is not None and session.phase == "joined":
+            self._leave(session, error, orderly=False, goodbye=f"dropped: {error}")
 
     # -- helpers -----------------------------------------------------------------------------
+    def _session_event(self, event: SessionEvent) -> None:
+        """Tell the session listeners; a join or a leave (a joined session gone) is also a
+        :class:`PeerEvent`, exactly as before sessions existed."""
+        for listener in list(self._session_listeners):
+            try:
+                listener(event)
+            except Exception:
+                log.exception("session listener failed on %s", event)
+        if event.new == "joined":
+            self._emit(PeerEvent("joined", event.peer_id))
+        elif event.new == "gone" and event.old in ("joined", "leaving") and not self._closed:
+            error = event.error or PeerLost(f"peer {event.peer_id!r} left")
+            self._emit(PeerEvent("left", event.peer_id, error))
+        else:
+            self._signal()
+
     def _emit(self, event: PeerEvent) -> None:
         reason = "" if event.error is None else event.error.code
         transport = self._transport
-        peers = len(transport.peer_ids) if transport is not None else 0
+        peers = len(self.peers)
         same_host = event.kind == "joined" and transport is not None and transport.same_host(event.peer_id)
         self.metrics.peer_event(event.kind, event.peer_id, reason, peers, "same-host" if same_host else "ucx")
         for listener in list(self._listeners):
@@ -319,11 +450,3 @@ class Agent:
         if self._control is None:
             raise ClosedError("agent is not started")
         return self._control
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        if self._closed:
-            coro.close()
-            return
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)

@@ -1,16 +1,20 @@
 """The control plane: handshakes, heartbeats and the peer table over ZeroMQ (``zmq.asyncio``).
 
 Each control plane binds one ROUTER; :meth:`ControlPlane.connect` opens one DEALER per peer
-it dials.  After a handshake both sides know each other, whoever dialled.  The plane owns:
+it dials.  After a handshake both sides know each other, whoever dialled.  Which handshake joins
+a pair is the owner's decision (its :class:`~omni_async.session.PeerSession`): a completed
+handshake yields a :class:`ControlConnection` that the owner installs (:meth:`ControlPlane.install`)
+or lets go (:meth:`ControlPlane.release`).  The plane owns:
 
-* the peer table (peer id -> what the handshake said, and how to reach it);
+* the index of installed connections (peer id -> connection, ROUTER identity -> peer id);
 * liveness: heartbeats both ways every ``heartbeat_interval``; a peer silent for
   ``heartbeat_timeout``, whose DEALER connection drops, who says :class:`~omni_async.wire.Bye`
   or who sends a malformed message is *lost*: removed, and reported once through ``lost``;
 * limits: message size (ZeroMQ ``MAXMSGSIZE`` and the decoder), ``max_peers``.
 
-Admission is delegated: ``accept(info)`` is called for every valid incoming hello and returns
-the agent metadata to welcome the peer with, or raises :class:`HandshakeRejected`.
+Admission is delegated: ``accept(connection)`` is called for every valid incoming hello; it
+installs the connection and returns the agent metadata to welcome the peer with, or raises
+:class:`HandshakeRejected`.
 Rules and wire format live in :mod:`omni_async.handshake` and :mod:`omni_async.wire`.
 """
 
@@ -40,7 +44,7 @@ from .errors import (
     PeerLost,
     ProtocolError,
 )
-from .handshake import LocalIdentity, PeerInfo, check_peer, reject_for, rejection_error
+from .handshake import LocalIdentity, PeerInfo, check_peer, hello_refusal, reject_for, rejection_error
 from .wire import (
     MAX_CONTROL_BYTES,
     Bye,
@@ -55,8 +59,9 @@ from .wire import (
 
 log = logging.getLogger(__name__)
 
-AcceptPeer = Callable[[PeerInfo], Awaitable[bytes]]
-"""Admit a peer that passed the handshake rules; return the metadata to welcome it with."""
+AcceptPeer = Callable[["ControlConnection"], Awaitable[bytes]]
+"""Admit a peer that passed the handshake rules: install its connection (or raise
+:class:`HandshakeRejected`) and return the metadata to welcome it with."""
 PeerLostCallback = Callable[[str, OmniAsyncError, bool], None]
 """Told once when a joined peer is gone: ``lost(peer_id, reason, orderly)``; ``orderly`` when
 it said goodbye (it is alive and closing), False when it died or broke the protocol."""
@@ -67,10 +72,16 @@ _MAX_OWNERS = 4096  # peer id -> CURVE key bindings kept (those of joined peers 
 
 
 @dataclass(eq=False)
-class _Peer:
+class ControlConnection:
+    """One completed handshake: the peer's description and how to reach it.  Owned by the
+    control plane once installed; until then by whoever holds it (install or release it)."""
+
     info: PeerInfo
+    dialled_by: str
+    """The peer id of the side that dialled (sent the hello)."""
     ident: bytes | None = None  # ROUTER routing id when the peer dialled us
     dealer: zmq.asyncio.Socket | None = None  # our DEALER when we dialled the peer
+    key: str | None = None  # the peer's CURVE public key, when CURVE is on
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -105,7 +116,7 @@ class ControlPlane:
         self._gate: CurveGate | None = None
         self._public_key = public_key(config.curve_secret_key) if config.curve_secret_key else None
         self._address = ""
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, ControlConnection] = {}  # installed connections
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._logged_bad: set[bytes] = set()
@@ -176,12 +187,13 @@ class ControlPlane:
         self._ctx.destroy(linger=_LINGER_MS)
 
     # -- dialling ----------------------------------------------------------------------------
-    async def connect(self, address: str, agent_metadata: bytes) -> PeerInfo:
-        """Handshake with the control plane at ``address``; return what it said about itself.
+    async def connect(self, address: str, agent_metadata: bytes) -> ControlConnection:
+        """Handshake with the control plane at ``address``; return the connection, not installed.
 
-        Raises :class:`HandshakeTimeout`, the :class:`HandshakeRejected` subtype the peer sent
-        (or that this side found), or :class:`ProtocolError` for a garbled answer.  A failed
-        handshake leaves nothing behind.
+        The caller owns it: :meth:`install` it, or :meth:`release` it (the far side may have
+        admitted it).  Raises :class:`HandshakeTimeout`, the :class:`HandshakeRejected` subtype
+        the peer sent (or that this side found), or :class:`ProtocolError` for a garbled answer.
+        A failed handshake leaves nothing behind.
         """
         if self._closed:
             raise ClosedError("control plane is closed")
@@ -211,22 +223,47 @@ class ControlPlane:
             if not isinstance(msg, Welcome):
                 raise ProtocolError(f"expected a welcome from {address}, got {type(msg).__name__}")
             check_peer(self.identity, msg)
-            if msg.peer_id in self._peers or msg.peer_id in self._admitting:
-                raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
             self._check_owner(msg.peer_id, server_key)
         except BaseException as exc:
             if hello_sent:  # the far side may have admitted us: tell it we gave up
                 _send_now(dealer, encode_control(Bye(reason=f"handshake abandoned: {_describe(exc)}")))
             dealer.close(linger=_LINGER_MS)
             raise
-        if server_key is not None:
-            self._bind_owner(msg.peer_id, server_key)
-        peer = _Peer(PeerInfo.from_hello(msg), dealer=dealer)
-        self._peers[msg.peer_id] = peer
-        peer.tasks.append(self._spawn(self._dealer_loop(peer, dealer), f"omni-control-dealer-{msg.peer_id}"))
-        peer.tasks.append(self._spawn(self._monitor_loop(peer, dealer), f"omni-control-monitor-{msg.peer_id}"))
-        log.info("joined peer %s at %s", msg.peer_id, address)
-        return peer.info
+        log.info("handshake with %s at %s done", msg.peer_id, address)
+        return ControlConnection(PeerInfo.from_hello(msg), self.identity.peer_id, dealer=dealer, key=server_key)
+
+    def install(self, peer: ControlConnection) -> None:
+        """Make ``peer`` the peer's connection: heartbeats, liveness and ``lost`` now watch it.
+
+        A connection installed before for the same peer id is let go without a goodbye and
+        without calling ``lost`` (the owner replaced it).  Raises :class:`ClosedError` once closed.
+        """
+        if self._closed:
+            raise ClosedError("control plane is closed")
+        peer_id = peer.info.peer_id
+        self._drop(peer_id)
+        self._peers[peer_id] = peer
+        peer.last_seen = time.monotonic()
+        if peer.ident is not None:
+            self._by_ident[peer.ident] = peer_id
+        if peer.key is not None:
+            self._bind_owner(peer_id, peer.key)
+        if peer.dealer is not None:
+            peer.tasks.append(self._spawn(self._dealer_loop(peer, peer.dealer), f"omni-control-dealer-{peer_id}"))
+            peer.tasks.append(self._spawn(self._monitor_loop(peer, peer.dealer), f"omni-control-monitor-{peer_id}"))
+        log.info("joined peer %s (dialled by %s)", peer_id, peer.dialled_by)
+
+    def release(self, peer: ControlConnection, goodbye: str | None = None) -> None:
+        """Let ``peer`` go (uninstalling it if installed), saying ``goodbye`` first unless None.
+
+        No await, so it also runs in a cancelled task.  ``lost`` is not called.
+        """
+        if goodbye is not None:
+            self._send_nowait(peer, encode_control(Bye(reason=goodbye)))
+        if self._peers.get(peer.info.peer_id) is peer:
+            self._drop(peer.info.peer_id)
+        elif peer.dealer is not None:
+            peer.dealer.close(linger=_LINGER_MS)
 
     def is_admitting(self, peer_id: str) -> bool:
         """True while an incoming handshake from ``peer_id`` is being admitted."""
@@ -238,25 +275,6 @@ class ControlPlane:
         reply: bytes = await dealer.recv()
         return reply
 
-    async def disconnect(self, peer_id: str, reason: str = "removed") -> bool:
-        """Say goodbye to ``peer_id`` and forget it (``lost`` is not called); False if unknown."""
-        if peer_id not in self._peers:
-            return False
-        await self._forget(peer_id, goodbye=reason)
-        return True
-
-    def abandon(self, peer_id: str, nonce: int, reason: str) -> None:
-        """Roll back a join whose other half failed: say goodbye and forget ``peer_id`` at once
-        (no await, so it also runs in a cancelled task), if it is still the peer of ``nonce``."""
-        peer = self._peers.get(peer_id)
-        if peer is not None and peer.info.nonce == nonce:
-            self._send_nowait(peer, encode_control(Bye(reason=reason)))
-            self._drop(peer_id)
-
-    def has_peer(self, peer_id: str, nonce: int) -> bool:
-        """True while ``peer_id`` is joined through the handshake that carried ``nonce``."""
-        peer = self._peers.get(peer_id)
-        return peer is not None and peer.info.nonce == nonce
 
     # -- tasks ----------------------------------------------------------------------------------
     async def _router_loop(self, router: zmq.asyncio.Socket) -> None:
@@ -296,16 +314,16 @@ class ControlPlane:
             # One more hello for a peer being admitted waits for that handshake (which may be an
             # abandoned one whose Bye is on its way); any further one is refused.
             running = self._admitting.get(msg.peer_id)
-            busy = msg.peer_id in self._queued
-            full = (running is None and msg.peer_id not in self._peers
-                    and len(self._peers) + len(self._admitting) >= self.config.max_peers)
-            if busy or full:
+            error = hello_refusal(
+                msg.peer_id,
+                admitting=running is not None,
+                queued=msg.peer_id in self._queued,
+                joined=msg.peer_id in self._peers,
+                in_use=len(self._peers) + len(self._admitting),
+                max_peers=self.config.max_peers,
+            )
+            if error is not None:
                 self.stats.rejected += 1
-                error = (
-                    AlreadyConnected(f"a handshake with {msg.peer_id!r} is in progress")
-                    if busy
-                    else HandshakeRejected(f"peer limit of {self.config.max_peers} reached")
-                )
                 log.warning("rejected peer %r: %s", msg.peer_id, error)
                 await router.send_multipart([ident, encode_control(reject_for(error))])
                 return
@@ -338,33 +356,22 @@ class ControlPlane:
                 del table[peer_id]
 
     async def _admit(self, ident: bytes, msg: Hello, key: str | None) -> Welcome | Reject:
-        """Validate ``msg`` completely, then admit it; a known peer of the same id is replaced
-        only once the whole handshake (the owner's ``accept`` included) succeeded."""
+        """Validate ``msg`` completely, then let the owner's ``accept`` decide and install it:
+        a known connection of the same peer id is replaced only by a whole handshake."""
         try:
             if ident in self._by_ident:
                 raise HandshakeRejected("this connection already completed a handshake")
             check_peer(self.identity, msg)
             self._check_owner(msg.peer_id, key)
-            known = self._peers.get(msg.peer_id)
-            if known is not None and known.info.nonce == msg.nonce:
-                raise AlreadyConnected(f"peer {msg.peer_id!r} is already connected")
-            info = PeerInfo.from_hello(msg)
-            metadata = await self._accept(info)
-            if self._closed:
-                raise HandshakeRejected("closing")
+            peer = ControlConnection(PeerInfo.from_hello(msg), msg.peer_id, ident=ident, key=key)
+            metadata = await self._accept(peer)
         except OmniAsyncError as exc:
             refusal = exc if isinstance(exc, HandshakeRejected) else HandshakeRejected(str(exc))
             self.stats.rejected += 1
-            log.warning("rejected peer %r: %s", msg.peer_id, refusal)
+            crossed = isinstance(refusal, AlreadyConnected)  # expected when both sides dial
+            log.log(logging.INFO if crossed else logging.WARNING, "rejected peer %r: %s", msg.peer_id, refusal)
             return reject_for(refusal)
-        # The owner took the new connection in ``accept`` (replacing its side of a restarted
-        # peer); forget the old control connection without reporting a loss.
-        self._drop(info.peer_id)
-        self._peers[info.peer_id] = _Peer(info, ident=ident)
-        self._by_ident[ident] = info.peer_id
-        if key is not None:
-            self._bind_owner(info.peer_id, key)
-        log.info("accepted peer %s", info.peer_id)
+        log.info("accepted peer %s", msg.peer_id)
         return self.identity.welcome(metadata)
 
     def _check_owner(self, peer_id: str, key: str | None) -> None:
@@ -381,7 +388,7 @@ class ControlPlane:
             if stale is not None:
                 del self._owners[stale]
 
-    async def _dealer_loop(self, peer: _Peer, dealer: zmq.asyncio.Socket) -> None:
+    async def _dealer_loop(self, peer: ControlConnection, dealer: zmq.asyncio.Socket) -> None:
         peer_id = peer.info.peer_id
         while True:
             payload = await dealer.recv()
@@ -402,7 +409,7 @@ class ControlPlane:
                 self._lose(peer_id, error)
                 return
 
-    async def _monitor_loop(self, peer: _Peer, dealer: zmq.asyncio.Socket) -> None:
+    async def _monitor_loop(self, peer: ControlConnection, dealer: zmq.asyncio.Socket) -> None:
         monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             event = parse_monitor_message(await monitor.recv_multipart())
@@ -437,11 +444,11 @@ class ControlPlane:
         await self._send(peer, encode_control(Bye(reason=goodbye)))
         self._drop(peer_id)
 
-    async def _send(self, peer: _Peer, payload: bytes) -> None:
+    async def _send(self, peer: ControlConnection, payload: bytes) -> None:
         """Send without ever blocking: a message a dead or slow peer cannot take is dropped."""
         self._send_nowait(peer, payload)
 
-    def _send_nowait(self, peer: _Peer, payload: bytes) -> None:
+    def _send_nowait(self, peer: ControlConnection, payload: bytes) -> None:
         if peer.dealer is not None:
             sent = _send_now(peer.dealer, payload)
         elif peer.ident is not None and self._router is not None:
@@ -451,7 +458,7 @@ class ControlPlane:
         if not sent:  # the peer may be gone already; liveness handles it
             log.debug("message to %s not sent", peer.info.peer_id)
 
-    def _drop(self, peer_id: str) -> _Peer | None:
+    def _drop(self, peer_id: str) -> ControlConnection | None:
         peer = self._peers.pop(peer_id, None)
         if peer is None:
             return None

@@ -3,6 +3,10 @@
 The control plane sends a :class:`~omni_async.wire.Hello` built by :meth:`LocalIdentity.hello`,
 and answers one with :func:`check_peer` (which raises the precise
 :class:`~omni_async.errors.HandshakeRejected` subtype) before it admits the peer.
+
+Which of several handshakes of one pair joins it is :func:`admit`'s decision (the agent asks it
+for every handshake that completes, dialled or admitted); it is the only place that refuses a
+handshake with :class:`~omni_async.errors.AlreadyConnected`.
 """
 
 from __future__ import annotations
@@ -10,9 +14,16 @@ from __future__ import annotations
 import secrets
 import socket
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from .errors import FingerprintMismatch, HandshakeRejected, LayoutMismatch, VersionMismatch, error_from_code
+from .errors import (
+    AlreadyConnected,
+    FingerprintMismatch,
+    HandshakeRejected,
+    LayoutMismatch,
+    VersionMismatch,
+    error_from_code,
+)
 from .region import fingerprints_compatible
 from .wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -183,3 +194,64 @@ def rejection_error(msg: Reject) -> HandshakeRejected:
     """The error the connecting side raises for a :class:`Reject` it received."""
     error = error_from_code(msg.code, msg.reason)
     return error if isinstance(error, HandshakeRejected) else HandshakeRejected(msg.reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """What the pair rules know of one handshake (or of the connection it made): the peer's
+    incarnation (``nonce``) and which side dialled it (``dialled_by``, a peer id)."""
+
+    nonce: int
+    dialled_by: str
+
+
+Verdict = Literal["join", "restart", "replace"]
+"""How a completed handshake joins the pair: ``join`` (no connection yet), ``restart`` (the peer
+came back as a new incarnation: the old one is gone), ``replace`` (two handshakes of the same
+incarnation crossed and this one wins the tie-break: it takes over the old connection)."""
+
+
+def keeps_dial_of(local_id: str, remote_id: str) -> str:
+    """The simultaneous-dial tie-break: of two connections of one pair, dialled by either
+    side, the one dialled by the smaller peer id is kept.  Both sides compute the same."""
+    return min(local_id, remote_id)
+
+
+def admit(local_id: str, current: Connection | None, new: Connection, remote_id: str) -> Verdict:
+    """Decide whether the handshake ``new`` with ``remote_id`` may join the pair, given the
+    pair's ``current`` connection (None: not joined); raise :class:`AlreadyConnected` if not.
+
+    A new incarnation (another nonce) restarts the pair.  For the same incarnation, a second
+    connection dialled by the same side is a repeated connect (refused); one dialled by the
+    other side crossed the current one, and the one dialled by :func:`keeps_dial_of` wins.
+    """
+    if current is None:
+        return "join"
+    if new.nonce != current.nonce:
+        return "restart"
+    if new.dialled_by == current.dialled_by:
+        raise AlreadyConnected(f"peer {remote_id!r} is already connected")
+    if new.dialled_by != keeps_dial_of(local_id, remote_id):
+        raise AlreadyConnected(
+            f"peer {remote_id!r} is already connected (of two crossing handshakes the one "
+            f"dialled by {keeps_dial_of(local_id, remote_id)!r} joins the pair)"
+        )
+    return "replace"
+
+
+def hello_refusal(
+    peer_id: str, *, admitting: bool, queued: bool, joined: bool, in_use: int, max_peers: int
+) -> HandshakeRejected | None:
+    """Whether a control plane refuses a hello from ``peer_id`` on arrival, before validating it.
+
+    While a hello of ``peer_id`` is being admitted (``admitting``) one more waits for it (it may
+    be a restart, or follow an abandoned handshake whose Bye is on its way); a further one
+    (``queued``: one waits already) is refused with :class:`AlreadyConnected`.  A new peer id is
+    refused once joined peers plus handshakes being admitted (``in_use``) reach ``max_peers``,
+    so a flood cannot overshoot the limit.
+    """
+    if queued:
+        return AlreadyConnected(f"a handshake with {peer_id!r} is in progress")
+    if not admitting and not joined and in_use >= max_peers:
+        return HandshakeRejected(f"peer limit of {max_peers} reached")
+    return None

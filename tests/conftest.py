@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -53,10 +54,16 @@ async def owned() -> AsyncIterator[list[Any]]:
 
 @pytest.fixture
 def make_agent(owned: list[Any]) -> Callable[..., Any]:
-    """``await make_agent(num_blocks, block_len, **config)``: a started agent closed at teardown."""
+    """``await make_agent(num_blocks, block_len, **config)``: a started agent closed at teardown.
 
-    async def factory(num_blocks: int = 64, block_len: int = 4096, **config: Any) -> Agent:
+    Fault injection: with ``claimed_blocks`` the agent tells peers its region has that many blocks.
+    """
+
+    async def factory(num_blocks: int = 64, block_len: int = 4096, *, claimed_blocks: int | None = None,
+                      **config: Any) -> Agent:
         agent = Agent(BlockRegion.allocate(num_blocks, block_len), fast_config(**config))
+        if claimed_blocks is not None:
+            agent.identity = dataclasses.replace(agent.identity, num_blocks=claimed_blocks)
         owned.append(agent)
         return await agent.start()
 

@@ -1,7 +1,6 @@
 """Two agents in one process, over real ZeroMQ sockets and real UCX lanes."""
 
 import asyncio
-import dataclasses
 
 import numpy as np
 import pytest
@@ -160,10 +159,11 @@ async def test_bad_indices_raise_before_any_byte_moves(make_agent):
 
 async def test_receiver_refuses_out_of_range_write_and_keeps_serving(make_agent):
     """Fault injection: the sender believes the receiver has more blocks than it has."""
-    a, b = await pair(make_agent)
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b", claimed_blocks=128)
+    assert await asyncio.wait_for(a.connect(b.control_address), 5) == "b"
+    assert a.peers["b"].num_blocks == 128 and b.region.num_blocks == 64
     fill(a)
-    link = a.transport._links["b"]
-    link.peer = dataclasses.replace(link.peer, num_blocks=128)
     with pytest.raises(InvalidBlocks, match="exceeds the region"):
         await asyncio.wait_for(a.write_blocks("b", [0, 1], [100, 101]), 5)
     assert not b.region.array.any()
@@ -245,7 +245,7 @@ async def test_idle_pair_does_not_spin(make_agent):
     """Event-driven progress: an idle connected pair wakes only for heartbeats."""
     a, b = await pair(make_agent, heartbeat_interval=0.5, heartbeat_timeout=3.0)
     await a.write_blocks("b", [0], [0])
-    lanes = [a.transport._links["b"].lane, b.transport._links["a"].lane]
+    lanes = [a.transport.lane("b"), b.transport.lane("a")]
     before = [lane.wakeups for lane in lanes]
     import time
     cpu0 = time.process_time()

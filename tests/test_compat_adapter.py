@@ -230,7 +230,8 @@ def test_argument_errors_are_raised_in_the_callers_thread():
 
 def test_shutdown_is_idempotent_then_everything_raises_closed():
     adapter = SyncTransferAdapter(service_config("short-lived"), stage=STAGE, destination="nobody")
-    thread = adapter._engine.thread
+    loop_thread = f"omni-sync-adapter-{adapter.peer_id}"  # the facade's loop runs in a thread named so
+    thread = next(t for t in threading.enumerate() if t.name == loop_thread)
     with pytest.raises(TypeError):
         adapter.save_async("r", [1, 2, 3])  # type: ignore[arg-type]
     adapter.shutdown()

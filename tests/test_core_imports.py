@@ -11,7 +11,7 @@ import pytest
 import omni_async
 from omni_async import errors
 
-CORE = ["wire", "region", "serde", "handshake", "errors", "config"]
+CORE = ["wire", "region", "serde", "handshake", "session", "errors", "config"]
 HEAVY = ["ucxx", "zmq", "omni_async.transport", "omni_async.agent", "omni_async.control"]
 
 

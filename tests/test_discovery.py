@@ -264,7 +264,7 @@ async def test_losing_etcd_keeps_peers_and_transfers_then_discovery_resumes(
         await until(lambda: done >= before + 20, 10, "transfers after the outage")
     finally:
         stop.set()
-        if not etcd._proc:
+        if not etcd.running:
             await asyncio.to_thread(etcd.start)
         await asyncio.wait_for(writer, 15)  # raises if any transfer failed
     assert left == []
@@ -329,8 +329,8 @@ async def test_a_dial_that_crosses_an_existing_pair_is_harmless(make_agent: Call
     found = Discovery(b, DiscoveryConfig(etcd=["127.0.0.1:1"]))  # never started: no etcd needed
     a_card = Card(peer_id="a", address=a.control_address, fingerprint=a.fingerprint,
                   num_blocks=a.region.num_blocks, block_len=a.region.block_len)
-    await asyncio.wait_for(found._dial(a_card), 10)
-    assert found._dial_errors == {}
+    await asyncio.wait_for(found.dial(a_card), 10)
+    assert found.dial_errors == {}
     assert set(b.peers) == {"a"} and set(a.peers) == {"b"}
     await asyncio.wait_for(a.write_blocks("b", [0], [1]), 10)
     await found.close()

@@ -4,6 +4,7 @@ process_vm_writev), its checks, and kill -9 of either side in real separate proc
 import asyncio
 import fcntl
 import os
+import signal
 import threading
 import time
 
@@ -17,7 +18,17 @@ from omni_async.memfd import NAME_PREFIX, SharedSegment
 from omni_async.region import Run
 from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
 from omni_async.transport.vmwrite import VmWriter
-from omni_async.wire import HEADER_TAG, RegionShare, WriteRequest, decode_control, encode_control, encode_header
+from omni_async.wire import (
+    FULL_MASK,
+    HEADER_TAG,
+    Ack,
+    RegionShare,
+    WriteRequest,
+    decode_control,
+    decode_header,
+    encode_control,
+    encode_header,
+)
 
 from .conftest import FAST, fast_config
 
@@ -216,7 +227,7 @@ async def pair(make_agent, **config):
 
 async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     a, b = await pair(make_agent)
-    assert a.transport._links["b"].direct.kind == "memfd"
+    assert a.transport.direct_kind("b") == "memfd"
     a.region.array[:] = np.random.default_rng(3).integers(0, 256, a.region.array.shape, dtype=np.uint8)
     await asyncio.wait_for(a.write_blocks("b", [5, 6, 7, 1], [10, 11, 12, 0]), 5)
     assert np.array_equal(b.region.array[[10, 11, 12, 0]], a.region.array[[5, 6, 7, 1]])
@@ -224,44 +235,59 @@ async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
 
 
-async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent):
-    """The rows are in place at once, yet the transfer waits for the receiver's answer."""
-    a, b = await pair(make_agent)
-    b.transport._answer = lambda *args: None  # fault injection: b never acknowledges
-    a.region.array[1] = 5
-    transfer = a.write_blocks("b", [1], [2])
-    assert (b.region.array[2] == 5).all()
-    await asyncio.sleep(0.2)
-    assert not transfer.done()
-    transfer.cancel()
+async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent, spawn_peer, tmp_path):
+    """The rows are in place at once, yet the transfer waits for the receiver's answer: the
+    receiver is a process stopped (SIGSTOP) before the write, so it cannot answer until resumed."""
+    calm = {"heartbeat_interval": 0.5, "heartbeat_timeout": 10.0}
+    peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx", **calm})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", **calm)
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    assert agent.transport.direct_kind("rx") == "memfd"
+    view = MappedRegion(RegionShare(pid=peer.info["pid"], fd=peer.info["fd"], token=peer.info["token"]),
+                        NUM_BLOCKS, BLOCK_LEN)
+    agent.region.array[1] = 5
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        transfer = agent.write_blocks("rx", [1], [2])
+        assert (view.rows[2] == 5).all()
+        await asyncio.sleep(0.2)
+        assert not transfer.done()
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    await asyncio.wait_for(transfer, 10)  # resumed, the receiver answers
+    view.close()
 
 
 async def test_switch_off_keeps_blocks_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
-    assert a.transport._links["b"].direct is None and a.identity.region_share is None
+    assert a.transport.direct_kind("b") is None and a.identity.region_share is None
     a.region.array[3] = 9
     await asyncio.wait_for(a.write_blocks("b", [3], [4]), 5)
     assert (b.region.array[4] == 9).all()
 
 
 async def test_placed_header_out_of_range_is_refused_and_writes_nothing(make_agent):
-    """Fault injection: a placed-write header naming rows beyond the receiver's region."""
-    a, b = await pair(make_agent)
-    link = a.transport._links["b"]
-    transfer = a.transport._new_transfer(link, 2 * 4096, "blocks")
+    """A rogue peer's placed-write header naming rows beyond the receiver's region: refused
+    with InvalidBlocks, nothing written, and the receiver keeps serving its peers."""
+    from tests.helpers.rogue import Rogue
 
-    def post():
-        header = WriteRequest(transfer.id, link.outbox.take_seq(0), [(NUM_BLOCKS - 1, 2)], placed=True)
-        link.lane.send(encode_header(header), HEADER_TAG, lambda _error: None)
+    a, b = await pair(make_agent, heartbeat_timeout=30.0)
+    async with Rogue.join(b.control_address) as rogue:
+        answered: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
 
-    for release in link.outbox.submit(transfer.id, [(0, 0, post)]):
-        release()
-    with pytest.raises(InvalidBlocks, match="exceeds the region"):
-        await asyncio.wait_for(transfer, 5)
-    assert not b.region.array.any()
+        def header_arrived(_tag: int, length: int, message: object) -> None:
+            buffer = np.empty(length, np.uint8)
+            rogue.lane.recv_arrived(buffer, message, lambda _error: answered.set_result(decode_header(buffer)))
+
+        rogue.lane.watch(HEADER_TAG, FULL_MASK, header_arrived)
+        rogue.send(encode_header(WriteRequest(1, 0, [(NUM_BLOCKS - 1, 2)], placed=True)), HEADER_TAG)
+        ack = await asyncio.wait_for(answered, 5)
+        assert isinstance(ack, Ack) and ack.transfer_id == 1
+        assert ack.code == InvalidBlocks.code and "exceeds the region" in ack.reason
+        assert not b.region.array.any() and "rogue" in b.peers
     a.region.array[2] = 7
     await asyncio.wait_for(a.write_blocks("b", [2], [3]), 5)  # the pair keeps working
-    assert (b.region.array[3] == 7).all() and set(b.peers) == {"a"}
+    assert (b.region.array[3] == 7).all() and "a" in b.peers
 
 
 async def test_removing_a_peer_unmaps_its_region(make_agent):
@@ -282,7 +308,7 @@ async def test_writes_land_in_the_other_process_with_one_copy(make_agent, spawn_
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
     agent.region.array[:] = np.random.default_rng(7).integers(0, 256, agent.region.array.shape, dtype=np.uint8)
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
-    assert agent.transport._links["rx"].direct.kind == kind
+    assert agent.transport.direct_kind("rx") == kind
     local, remote = [3, 9, 10, 11, 40, 2], [50, 0, 1, 2, 33, 20]
     await asyncio.wait_for(agent.write_blocks("rx", local, remote), 10)
     if kind == "memfd":  # look at the peer's memory the way the lane does
@@ -306,7 +332,7 @@ async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_a
     peer = await spawn_peer("serve", str(tmp_path / "region") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
-    assert agent.transport._links["rx"].direct.kind == kind
+    assert agent.transport.direct_kind("rx") == kind
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
 

@@ -66,7 +66,8 @@ class Discovery:
         """Peers whose card vanished or changed → the handshake nonce of the incarnation joined
         then (None: none), which is removed; a newer incarnation that joined meanwhile stays."""
         self._dialing: dict[str, asyncio.Task[None]] = {}
-        self._dial_errors: dict[str, str] = {}
+        self.dial_errors: dict[str, str] = {}
+        """Peers whose last dial failed, by peer id, with the reason (logged once per reason)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._client: Any = None
         self._lease: Any = None
@@ -286,7 +287,7 @@ class Discovery:
             if peer_id in joined or peer_id in self._dialing or peer_id in self.ignored:
                 continue
             if should_dial(me, card):
-                task = asyncio.get_running_loop().create_task(self._dial(card), name=f"omni-discovery-dial-{peer_id}")
+                task = asyncio.get_running_loop().create_task(self.dial(card), name=f"omni-discovery-dial-{peer_id}")
                 self._dialing[peer_id] = task
                 task.add_done_callback(functools.partial(self._dial_done, peer_id))
 
@@ -294,19 +295,21 @@ class Discovery:
         if self._dialing.get(peer_id) is task:
             del self._dialing[peer_id]
 
-    async def _dial(self, card: Card) -> None:
-        """Join ``card``'s agent; failures are logged once per peer and reason, retried later."""
+    async def dial(self, card: Card) -> None:
+        """Join ``card``'s agent, as discovery does for every card it should dial.  Never raises:
+        a failure is recorded in :attr:`dial_errors` (logged once per peer and reason) and
+        retried later; ``AlreadyConnected`` means the pair is joined and is no failure."""
         try:
             joined = await self.agent.connect(card.address)
         except AlreadyConnected:
-            return  # it dialled us at the same time: that handshake joins the pair
+            return  # its handshake joined the pair (the agent keeps one connection per pair)
         except Exception as exc:  # any failure of one dial is that peer's, retried later
             reason = f"{type(exc).__name__}: {exc}"
-            if self._dial_errors.get(card.peer_id) != reason:
+            if self.dial_errors.get(card.peer_id) != reason:
                 log.warning("discovery: cannot join %s at %s: %s (retrying)", card.peer_id, card.address, reason)
-                self._dial_errors[card.peer_id] = reason
+                self.dial_errors[card.peer_id] = reason
             return
-        self._dial_errors.pop(card.peer_id, None)
+        self.dial_errors.pop(card.peer_id, None)
         if joined != card.peer_id:
             log.warning("discovery: %s answered as %s, not %s; leaving it", card.address, joined, card.peer_id)
             await self.agent.remove_peer(joined)

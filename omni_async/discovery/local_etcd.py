@@ -92,6 +92,11 @@ class LocalEtcd:
         self.stop()
         raise TimeoutError(f"etcd did not become healthy within {self.startup_timeout:.0f}s")
 
+    @property
+    def running(self) -> bool:
+        """Whether the server was started and not stopped since."""
+        return self._proc is not None
+
     def stop(self) -> None:
         """Kill the server (SIGKILL: an outage, not a shutdown) and wait for it."""
         proc, self._proc = self._proc, None

@@ -1,10 +1,12 @@
 """Whom to dial and what changed in the group: pure functions and a diffing set.  No I/O.
 
 Each pair of agents is dialled once.  A side *wants* a peer when its ``connect`` rule selects
-the peer's card; when both sides want each other the one with the smaller peer id dials (the
-core's tie-break) and the other waits for its handshake; when only one side wants the pair, that
-side dials.  Cards that cannot work (another fingerprint or block size, a CURVE key that is not
-allow-listed) are never dialled.
+the peer's card; when both sides want each other the one with the smaller peer id dials and the
+other waits for its handshake; when only one side wants the pair, that side dials.  Dialling
+from both sides would be safe too (the agent joins crossing handshakes once, keeping the smaller
+id's, :func:`omni_async.handshake.admit`): this rule only saves the second handshake.  Cards
+that cannot work (another fingerprint or block size, a CURVE key that is not allow-listed) are
+never dialled.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ thread (a call from there would wait on itself and raises :class:`RuntimeError`)
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import socket
@@ -57,10 +56,6 @@ _START_TIMEOUT_S = 10.0
 _CLOSE_BUDGET_S = 30.0
 """Safety bound on ``close()``: far above the agent's own bounded close (lane drain, endpoint
 close grace, socket linger: seconds), which is never cut short."""
-_DIAL_GRACE_S = 0.5
-"""How long the side with the larger peer id waits for the other side's dial before dialling."""
-_ADMISSION_CHECK_S = 0.05
-"""While a peer's handshake is being admitted here, how often to check whether it ended."""
 _MAX_REASONS = 1 << 16
 """Failure reasons kept for :meth:`SyncDataTransport.failure_reason` (oldest dropped first)."""
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "[::]", "::")
@@ -217,25 +212,20 @@ class _Engine:
 
         The handshake checks the fingerprint and ``block_len`` against this side's; this checks
         that the peer is the one ``add_remote_peer`` described.  Both sides of a pair usually
-        call ``add_remote_peer`` at about the same time, and two handshakes crossing each other
-        make both sides drop the pair.  So the side with the smaller peer id dials at once; the
-        other waits ``_DIAL_GRACE_S`` for that dial before dialling itself (needed when only one
-        side registers the other); and neither dials while a handshake from the peer is being
-        admitted here.
+        call ``add_remote_peer`` at about the same time: the agent joins crossing handshakes
+        once (:func:`omni_async.handshake.admit`), and the side whose dial lost gets
+        :class:`AlreadyConnected` while the other handshake joins the pair.
         """
         agent = self.agent
         assert agent is not None
         core_id = card.peer_id
-        timeout = self.config.handshake_timeout
-        grace = min(_DIAL_GRACE_S, timeout / 2) if agent.peer_id > core_id else 0.0
-        await self._await_their_handshake(core_id, grace)
         if core_id not in agent.peers:
             try:
                 joined = await agent.connect(card.address)
             except AlreadyConnected as exc:
-                # The peer dialled us meanwhile: its handshake completes (or completed) here.
-                await self._await_their_handshake(core_id, timeout)
-                if core_id not in agent.peers:
+                try:  # the peer's own handshake joins the pair (or did)
+                    await agent.wait_for_peer(core_id, timeout=self.config.handshake_timeout)
+                except TimeoutError:
                     raise HandshakeRejected(f"crossed handshakes with {core_id!r}: {exc}") from None
             else:
                 if joined != core_id:
@@ -254,30 +244,6 @@ class _Engine:
                 f"peer {core_id!r} has (base_addr, num_blocks, block_len) = {actual}, "
                 f"but add_remote_peer was given {expected}"
             )
-
-    async def _await_their_handshake(self, core_id: str, grace: float) -> None:
-        """Wait up to ``grace`` s for ``core_id`` to join, and on while its handshake is admitted here.
-
-        Joins wake this at once; while a handshake is being admitted the admission's end is
-        re-checked every ``_ADMISSION_CHECK_S`` (a rejected one emits no event).
-        """
-        agent = self.agent
-        assert agent is not None
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        limit = start + grace + self.config.handshake_timeout
-        while core_id not in agent.peers:
-            now = loop.time()
-            if now >= limit:
-                return
-            if agent.control.is_admitting(core_id):
-                wait = min(_ADMISSION_CHECK_S, limit - now)
-            elif now < start + grace:
-                wait = start + grace - now
-            else:
-                return
-            with suppress(TimeoutError):
-                await agent.wait_for_peer(core_id, timeout=wait)
 
 
 class SyncDataTransport(Facade):
@@ -411,7 +377,7 @@ class SyncDataTransport(Facade):
         card = decode_agent_metadata(agent_metadata)
         engine = self._engine
         timeout = self._config.handshake_timeout
-        budget = min(_DIAL_GRACE_S, timeout / 2) + 4 * timeout + 1.0
+        budget = 4 * timeout + 1.0
         try:
             self._portal.run(engine.join(card, base_addr, num_blocks, block_len), budget, f"handshake with {peer_id!r}")
         except DeadlineExceeded as exc:

@@ -38,7 +38,6 @@ import numpy.typing as npt
 
 from ..config import AgentConfig
 from ..errors import (
-    AlreadyConnected,
     ClosedError,
     DeadlineExceeded,
     InvalidBlocks,
@@ -233,24 +232,22 @@ class UcxTransport:
         self._check_open()
         return Lane(self._context, self._loop)
 
-    async def add_peer(self, peer: PeerInfo, lane: Lane, *, replace: bool = False) -> bool:
-        """Connect ``lane`` to the peer's lane and start receiving from it.
-
-        The peer's address is vetted first (see :mod:`.vetting`); an unusable one raises
-        :class:`ProtocolError` and nothing is added (nor removed).  With ``replace`` (the peer
-        restarted) a link of the same id is removed, its transfers failed with
-        :class:`PeerLost`, once the new lane is connected; returns True if one was.
-        """
+    async def connect_lane(self, peer: PeerInfo, lane: Lane) -> None:
+        """Connect ``lane`` to the peer's lane (the first half of adding a peer; :meth:`add_peer`
+        is the second).  The peer's address is vetted first (see :mod:`.vetting`); an unusable
+        one raises :class:`ProtocolError`.  Nothing is added: on failure discard the lane."""
         self._check_open()
-        if peer.peer_id in self._links and not replace:
-            raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
         lane.check_address(peer.agent_metadata)  # cheap structural check first
         await self._vetter.check(peer.agent_metadata)
         lane.connect(peer.agent_metadata)
         self._check_open()
-        replaced = replace and self.remove_peer(peer.peer_id, PeerLost(f"peer {peer.peer_id!r} restarted"))
+
+    def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
+        """Start sending to and receiving from the peer over ``lane`` (connected by
+        :meth:`connect_lane`).  The owner removed any previous link of the peer id first."""
+        self._check_open()
         if peer.peer_id in self._links:
-            raise AlreadyConnected(f"peer {peer.peer_id!r} is already connected")
+            raise RuntimeError(f"peer {peer.peer_id!r} still has a lane")  # the owner's bug
         link = _Link(
             peer,
             lane,
@@ -264,7 +261,6 @@ class UcxTransport:
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
         lane.on_stray = partial(self._stray_arrived, link)
         lane.expecting = lambda: bool(link.sent) or link.inbox.expecting
-        return replaced
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -336,6 +332,16 @@ class UcxTransport:
     def same_host(self, peer_id: str) -> bool:
         """Whether the peer's lane is a same-host one (shared memory, gathered writes)."""
         return self._link(peer_id).gather
+
+    def lane(self, peer_id: str) -> Lane:
+        """The joined peer's lane (e.g. to read its ``wakeups``); raises :class:`UnknownPeer`."""
+        return self._link(peer_id).lane
+
+    def direct_kind(self, peer_id: str) -> str | None:
+        """How blocks reach the joined peer's region in one copy (``"memfd"``, ``"vm"``, see
+        :mod:`.shared`), or None when they travel through UCX; raises :class:`UnknownPeer`."""
+        direct = self._link(peer_id).direct
+        return None if direct is None else direct.kind
 
     def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
         """Transfers sent and not settled yet (to one peer, or to all)."""

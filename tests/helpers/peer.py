@@ -38,6 +38,14 @@ A REGION_FILE ending in ``.memfd`` is not used: the region is allocated (in a me
 :mod:`omni_async.memfd`) instead of mapped from the file, and ``serve`` adds the process id
 and the memfd's ``fd`` and ``token`` to its first line.
 
+``python -m tests.helpers.peer race REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
+  starts an agent, prints ``{"address": ..., "peer_id": ...}``, then answers one stdin line at
+  a time: ``dial ADDRESS`` connects and prints ``{"dialled": peer_id | null, "error": ErrorType
+  | null}``; ``check PEER`` waits until PEER is joined and no handshake of it is in progress,
+  writes block 0 to its block 1 and prints ``{"peers": [...], "dialled_by": id, "joined": n,
+  "left": n}`` (peer events since the last ``check``); ``gone PEER`` waits until PEER is gone and
+  prints ``{"gone": PEER, "joined": n, "left": n}``.
+
 ``serve`` also prints ``{"event": "joined"|"left", "peer": id, "error": ErrorType, "at": t}``
 for every peer event, and ``{"tls": ...}`` (the UCX transports in use) after its address.
 """
@@ -54,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_async import Agent, BlockRegion, load_config
+from omni_async import Agent, BlockRegion, OmniAsyncError, load_config
 from omni_async.eventloop import run
 from omni_async.region import RegionSet
 
@@ -107,6 +115,8 @@ async def main(argv: list[str]) -> None:
             await pump(agent, argv[5])
         elif role == "notify":
             await notify(agent, argv[5])
+        elif role == "race":
+            await race(agent)
 
 
 async def streams(path: str, config: dict[str, Any]) -> None:
@@ -178,6 +188,34 @@ async def pump(agent: Agent, address: str) -> None:
         peer = await agent.connect(address)
         await agent.write_blocks(peer, blocks, blocks)
         say({"reconnected": peer})
+
+
+async def race(agent: Agent) -> None:
+    counts = {"joined": 0, "left": 0}
+    agent.add_peer_listener(lambda e: counts.__setitem__(e.kind, counts[e.kind] + 1))
+    say({"address": agent.control_address, "peer_id": agent.peer_id})
+    loop = asyncio.get_running_loop()
+    while line := (await loop.run_in_executor(None, sys.stdin.readline)).split():
+        command, arg = line
+        if command == "dial":
+            try:
+                say({"dialled": await agent.connect(arg), "error": None})
+            except OmniAsyncError as exc:
+                say({"dialled": None, "error": type(exc).__name__})
+        elif command == "check":
+            await agent.wait_for_peer(arg, timeout=10)
+            async with asyncio.timeout(10):
+                while agent.session_phase(arg) != "joined" or agent.handshakes_in_progress(arg):
+                    await asyncio.sleep(0.002)
+            await agent.write_blocks(arg, [0], [1])
+            say({"peers": sorted(agent.peers), "dialled_by": agent.dialled_by(arg), **counts})
+            counts.update(joined=0, left=0)
+        elif command == "gone":
+            async with asyncio.timeout(10):
+                while agent.session_phase(arg) != "gone":
+                    await asyncio.sleep(0.002)
+            say({"gone": arg, **counts})
+            counts.update(joined=0, left=0)
 
 
 if __name__ == "__main__":
