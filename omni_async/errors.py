@@ -107,6 +107,10 @@ class BufferFull(TransferRefused, code="buffer_full", remote=True):
     """The receiver's buffer for payloads nobody asked for yet is full; try again later."""
 
 
+class ReadsNotAllowed(TransferRefused, code="reads_not_allowed", remote=True):
+    """The peer does not allow reads of its region (its ``allow_reads`` is off)."""
+
+
 class DeadlineExceeded(TransferError, TimeoutError, code="deadline", remote=True):
     """A request or transfer made no progress within its deadline."""
 
@@ -117,6 +121,11 @@ class InvalidBlocks(TransferError, ValueError, code="invalid_blocks", remote=Tru
 
 class InvalidMessage(TransferError, ValueError, code="invalid_message", remote=True):
     """A chunk message exceeds a wire limit or the receiver's announced ``max_message_bytes``
+    (raised by the sender before anything is sent)."""
+
+
+class InvalidNotice(TransferError, ValueError, code="invalid_notice"):
+    """A write's notice is not bytes or exceeds the receiver's announced ``max_notice_bytes``
     (raised by the sender before anything is sent)."""
 
 
