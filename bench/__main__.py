@@ -41,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     chunks.add_argument("--tcp", action="store_true", help="only the UCX_TLS=tcp rows")
     chunks.add_argument("--no-zmq", action="store_true", help="skip the pyzmq + msgspec baseline")
 
+    layers = sub.add_parser("layers", help="64 scattered blocks × 32 layers (a region set) vs NIXL and memcpy")
+    layers.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    layers.add_argument("--quick", action="store_true", help="few iterations: a smoke run")
+    layers.add_argument("--no-nixl", action="store_true", help="skip NIXL (reported as unavailable)")
     idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
     idle.add_argument("--seconds", type=float, default=10.0)
     idle.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -86,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             from .plot import plot_chunks
 
             plot_chunks(result, args.plot)
+    elif args.command == "layers":
+        from .layers import run_layers
+        from .layers import table as layers_table
+
+        result = run(run_layers(args.quick, nixl=not args.no_nixl))
+        _emit(result, layers_table(result), args.json)
     elif args.command == "idle":
         from .idle import run_idle, table
 

@@ -23,7 +23,7 @@ import numpy.typing as npt
 from .compat_side import BUDGET_S, MAX_ITERS, POLL_MODES, CompatSide
 from .compat_side import ROWS as COMPAT_ROWS
 from .hostload import ForeignLoad
-from .memcpy import time_memcpy, time_row_copies
+from .memcpy import time_copies
 from .modes import SHM, TCP, Mode
 from .nixl_side import DEFAULT_ERROR_HANDLING, NixlSide
 from .omni_side import OmniSide
@@ -138,10 +138,11 @@ async def _one(
 
     memcpy_rows = dst_memcpy.rows(g.block_len)
     reset(memcpy_rows)
-    samples.add(row, "memcpy", time_memcpy(src_rows, memcpy_rows, local, remote, w.iters, w.warmup))
+    samples.add(row, "memcpy", time_copies(src_rows, memcpy_rows, local, remote, w.iters, w.warmup))
     verify(memcpy_rows, "memcpy")
     reset(memcpy_rows)
-    samples.add(row, "memcpy_rows", time_row_copies(src_rows, memcpy_rows, local, remote, w.iters, w.warmup))
+    rows_copy = time_copies(src_rows, memcpy_rows, local, remote, w.iters, w.warmup, per_block=True)
+    samples.add(row, "memcpy_rows", rows_copy)
     verify(memcpy_rows, "memcpy_rows")
 
     omni_rows = omni.destination(mode, g)

@@ -5,6 +5,8 @@ prints ``{"address", "peer_id"}``, then serves plans until stdin closes.  A plan
 the connector itself under ``bench:plan:N`` (``{"requests": [numbers], "chunks": C,
 "tokens": T}``); the peer streams every listed request through its adapter (all at once, each
 in order), checks every chunk, and answers ``bench:done:N`` with ``{"chunks", "bad"}``.
+Every block write with a notice it receives is echoed: it writes its block 0 back with the
+same notice (``notice_rt``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import json
 import sys
 
 from omni_async.adapter import TransferAdapter
+from omni_async.agent import Agent
 from omni_async.config import ServiceConfig, load_config
 from omni_async.eventloop import run
 from omni_async.service import ConnectorService
+from omni_async.transport.notices import Notice
 
 from .chunk_data import chunk_ok
 from .procs import say, until_stdin_closes
@@ -44,9 +48,17 @@ async def _serve(svc: ConnectorService, stage: str) -> None:
         await svc.connector.put(sender, f"bench:done:{n}", {"chunks": got, "bad": bad})
 
 
+def _echo(agent: Agent, notice: Notice) -> None:
+    """Write block 0 back to the notice's sender with the same notice (not awaited: the
+    echo's notice at the sender ends the round trip; a failed echo times the sender out)."""
+    agent.write_blocks(notice.peer_id, [0], [0], notice=notice.data)
+
+
 async def main(argv: list[str]) -> None:
     config = load_config(json.loads(argv[0]), schema=ServiceConfig, environ={})
     async with ConnectorService(config) as svc:
+        agent = svc.agent
+        agent.set_notice_sink(lambda n: _echo(agent, n))
         say({"address": svc.control_address, "peer_id": svc.agent.peer_id})
         server = asyncio.create_task(_serve(svc, argv[1]))
         try:

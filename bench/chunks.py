@@ -10,6 +10,10 @@ The sender is a :class:`~omni_async.service.ConnectorService` in this process wi
   array bytes from the first save to the last acknowledgement, one sample per batch.
 
 * ``chunk_8k``, ``chunk_256k``: the issue's shapes, 64 requests at once.
+* ``notice_rt``: a block write with a notice, echoed: this side writes one 4 KiB block with
+  ``notice=``, the receiver's notice sink writes it back with the same notice, and the sample
+  ends when this side's sink has the echo (two notices, p50/p99).  Its pyzmq column is the
+  baseline's one-small-message round trip (``chunk_a``'s shape); memcpy copies one block.
 
 Both also with ``UCX_TLS=tcp`` (suffix ``_tcp``).  The limit is numpy copying the same arrays
 in this process.  Beside each row, in the same run, the pyzmq + msgspec baseline
@@ -32,6 +36,7 @@ import numpy as np
 
 from omni_async.config import ServiceConfig, load_config
 from omni_async.service import ConnectorService
+from omni_async.transport.notices import Notice
 
 from .chunk_data import chunk_nbytes, make_chunk
 from .hostload import ForeignLoad
@@ -50,6 +55,11 @@ TARGETS = (
     ("chunk_a", "vs_zmq", 2.0, "chunk_a ≤ 0.5× the pyzmq baseline's latency (ratio ≥ 2)"),
 )
 """(row, ratio, threshold, description): issue 9's targets for ``chunks``."""
+
+
+NOTICE_RT = "notice_rt"
+BLOCK_LEN = 4096
+"""Bytes of the one block of the services' regions (what ``notice_rt`` writes)."""
 
 
 class ChunkVerificationError(RuntimeError):
@@ -73,10 +83,16 @@ class ChunkWorkload:
         return per_sample * chunk_nbytes(self.tokens)
 
     def describe(self) -> str:
+        if self.name == NOTICE_RT:
+            return f"1 block of {BLOCK_LEN // 1024} KiB with a notice, echoed back with one"
         size = chunk_nbytes(self.tokens) / 1024
         if self.kind == "latency":
             return f"1 chunk of {size:.1f} KiB per save"
         return f"{self.requests} requests × {self.chunks} chunks of {size:.1f} KiB"
+
+
+def notice_workload(quick: bool) -> ChunkWorkload:
+    return ChunkWorkload(NOTICE_RT, "latency", 1, 1, 16, 30 if quick else 500)
 
 
 def chunk_workloads(quick: bool) -> list[ChunkWorkload]:
@@ -92,7 +108,7 @@ def chunk_workloads(quick: bool) -> list[ChunkWorkload]:
 
 def _service_config(mode: Mode, peer_id: str) -> ServiceConfig:
     return load_config(
-        {"agent": mode.omni_config(peer_id), "region": {"num_blocks": 1, "block_len": 4096}},
+        {"agent": mode.omni_config(peer_id), "region": {"num_blocks": 1, "block_len": BLOCK_LEN}},
         schema=ServiceConfig, environ={},
     )
 
@@ -105,6 +121,24 @@ class _Sender:
         self.receiver = receiver
         self.adapter = svc.adapter(STAGE, peer_id=receiver)
         self.plans = 0
+        self.echoes: asyncio.Queue[Notice] = asyncio.Queue()
+        svc.agent.set_notice_sink(self.echoes.put_nowait)
+
+    async def notice_round_trips(self, iters: int) -> list[int]:
+        """Time ``iters`` writes with a notice until the receiver's echo is here; check each."""
+        clock, samples = time.perf_counter_ns, []
+        region = self.svc.agent.region.array
+        for i in range(iters):
+            region[0] = i % 251
+            tag = b"%d" % i
+            t0 = clock()
+            write = self.svc.agent.write_blocks(self.receiver, [0], [0], notice=tag)
+            echo = await asyncio.wait_for(self.echoes.get(), 10)
+            samples.append(clock() - t0)
+            await write
+            if echo.data != tag or echo.failed is not None or echo.remote_idxs != (0,):
+                raise ChunkVerificationError(f"notice echo {i}: {echo}")
+        return samples
 
     async def run(self, w: ChunkWorkload) -> list[int]:
         n, self.plans = self.plans, self.plans + 1
@@ -131,6 +165,17 @@ class _Sender:
         if done["bad"] or done["chunks"] != requests * w.chunks:
             raise ChunkVerificationError(f"{w.name}: receiver got {done['chunks']} chunks, {done['bad']} bad")
         return samples
+
+
+def _time_block_copy(iters: int) -> list[int]:
+    """Copy one block (``notice_rt``'s payload) ``iters`` times."""
+    src, dst = np.ones(BLOCK_LEN, np.uint8), np.empty(BLOCK_LEN, np.uint8)
+    clock, samples = time.perf_counter_ns, []
+    for _ in range(iters):
+        t0 = clock()
+        np.copyto(dst, src)
+        samples.append(clock() - t0)
+    return samples
 
 
 def _time_memcpy(w: ChunkWorkload, iters: int) -> list[int]:
@@ -175,7 +220,7 @@ async def run_chunks(
         try:
             if baseline is not None:
                 await baseline.start(zmq_children)
-            with steps("bench chunks", len(plan) * len(chunk_workloads(quick)), show=progress) as bar:
+            with steps("bench chunks", len(plan) * (len(chunk_workloads(quick)) + 1), show=progress) as bar:
                 for mode in plan:
                     await _run_mode(mode, quick, baseline, results, bar)
         finally:
@@ -216,6 +261,19 @@ async def _run_mode(
                     "zmq_chunks_per_s": _chunks_per_s(w, zmq_samples) if zmq_samples else None,
                 }
                 advance(bar, f"{w.name} {mode.name}")
+            w = notice_workload(quick)
+            await sender.notice_round_trips(max(1, w.iters // 10))  # warm-up
+            samples = await sender.notice_round_trips(w.iters)
+            zmq_samples = await _time_zmq(baseline, w) if baseline is not None else None
+            results[w.name + mode.suffix] = {
+                "workload": w.describe(), "mode": mode.name, "kind": w.kind, "bytes": BLOCK_LEN,
+                "memcpy": summarize(BLOCK_LEN, _time_block_copy(max(len(samples), 50))),
+                "omni_async": summarize(BLOCK_LEN, samples),
+                "zmq": summarize(BLOCK_LEN, zmq_samples) if zmq_samples else None, "nixl": None,
+                "chunks_per_s": _chunks_per_s(w, samples),
+                "zmq_chunks_per_s": _chunks_per_s(w, zmq_samples) if zmq_samples else None,
+            }
+            advance(bar, f"{w.name} {mode.name}")
 
 
 def _cell(kind: str, s: dict[str, float] | None) -> str:

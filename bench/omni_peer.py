@@ -1,7 +1,8 @@
 """omni_async agents in a child process: the receiving side of ``blocks``, or one half of ``idle``.
 
 ``python -m bench.omni_peer serve SPEC_JSON``
-  SPEC is a list of ``{"path", "num_blocks", "block_len", "config"}``: one :class:`Agent` per
+  SPEC is a list of ``{"path", "num_blocks", "block_len", "config"}`` (plus ``"layers": L`` for
+  a region set of L allocated regions of that geometry): one :class:`Agent` per
   entry over the memory-mapped file ``path``, or, with ``path`` null, over a region it allocates
   (a memfd, as services do), configured by ``config`` (a mapping for
   :func:`omni_async.load_config`).  Prints ``{"addresses": [...], "peer_ids": [...], "shares":
@@ -25,13 +26,16 @@ import numpy as np
 
 from omni_async import Agent, BlockRegion, load_config
 from omni_async.eventloop import run
+from omni_async.region import RegionSet
 from omni_async.transport.shared import advertise
 
 from .procs import say, until_stdin_closes
 
 
-def _region(entry: dict[str, Any]) -> BlockRegion:
+def _region(entry: dict[str, Any]) -> BlockRegion | RegionSet:
     shape = (int(entry["num_blocks"]), int(entry["block_len"]))
+    if entry.get("layers"):
+        return RegionSet.allocate(shape[0], [shape[1]] * int(entry["layers"]))
     if entry.get("path") is None:
         return BlockRegion.allocate(*shape)
     mapped = np.memmap(entry["path"], dtype=np.uint8, mode="r+", shape=shape)
@@ -51,6 +55,7 @@ async def main(argv: list[str]) -> None:
                 "addresses": [a.control_address for a in agents],
                 "peer_ids": [a.peer_id for a in agents],
                 "shares": [msgspec.to_builtins(advertise(a.region)) for a in agents],
+                "layer_shares": [[msgspec.to_builtins(advertise(r)) for r in a.regions.regions] for a in agents],
             })
         elif role == "dial":
             say({"connected": await agents[0].connect(argv[2])})

@@ -27,10 +27,12 @@ if TYPE_CHECKING:
         HandshakeTimeout,
         InvalidBlocks,
         InvalidMessage,
+        InvalidNotice,
         LayoutMismatch,
         OmniAsyncError,
         PeerLost,
         ProtocolError,
+        ReadsNotAllowed,
         TransferCancelled,
         TransferError,
         TransferFailed,
@@ -38,9 +40,10 @@ if TYPE_CHECKING:
         UnknownPeer,
         VersionMismatch,
     )
-    from .region import BlockRegion, config_fingerprint
+    from .region import BlockRegion, RegionSet, config_fingerprint
     from .session import SessionEvent
     from .transport import Transfer
+    from .transport.notices import Notice
 
 __version__ = "0.1.0"
 
@@ -50,9 +53,11 @@ _HOMES: dict[str, str] = {
     "AgentConfig": ".config",
     "load_config": ".config",
     "BlockRegion": ".region",
+    "RegionSet": ".region",
     "config_fingerprint": ".region",
     "SessionEvent": ".session",
     "Transfer": ".transport",
+    "Notice": ".transport.notices",
 }
 """Where each public name that is not an error lives (the errors live in :mod:`.errors`)."""
 
@@ -86,11 +91,15 @@ __all__ = [
     "HandshakeTimeout",
     "InvalidBlocks",
     "InvalidMessage",
+    "InvalidNotice",
     "LayoutMismatch",
+    "Notice",
     "OmniAsyncError",
     "PeerEvent",
     "PeerLost",
     "ProtocolError",
+    "ReadsNotAllowed",
+    "RegionSet",
     "SessionEvent",
     "Transfer",
     "TransferCancelled",

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,11 +25,13 @@ from .control import ControlConnection, ControlPlane
 from .errors import AlreadyConnected, ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import Connection, LocalIdentity, PeerInfo, Verdict, admit
 from .metrics import Metrics, serve_metrics
-from .region import BlockRegion, config_fingerprint
+from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
 from .session import PeerSession, Phase, SessionEvent
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
 from .transport.lane import Lane
+from .transport.notices import Notice, NoticeSink
 from .transport.shared import advertise
+from .wire import Layer
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,19 @@ SessionListener = Callable[[SessionEvent], None]
 
 
 class Agent:
-    """Block transfers between this process's ``region`` and its peers'."""
+    """Block transfers between this process's ``region`` and its peers'.
 
-    def __init__(self, region: BlockRegion, config: AgentConfig | None = None) -> None:
+    ``region`` may be a :class:`~omni_async.region.RegionSet` (one region per layer, sharing
+    ``num_blocks``): a block index then moves that block in every region; :attr:`region` is
+    the set's first region and :attr:`regions` the set.
+    """
+
+    def __init__(self, region: BlockRegion | RegionSet, config: AgentConfig | None = None) -> None:
+        self.regions = as_region_set(region)
+        region = self.regions.regions[0]
         self.region = region
         self.config = config or AgentConfig()
+        share = self.config.same_host_lane
         self.identity = LocalIdentity(
             peer_id=self.config.resolved_peer_id(),
             base_addr=region.base_addr,
@@ -61,7 +71,11 @@ class Agent:
             fingerprint=config_fingerprint(self.config.config_fields),
             max_write_blocks=self.config.max_write_blocks,
             max_message_bytes=self.config.max_message_bytes,
-            region_share=advertise(region) if self.config.same_host_lane else None,
+            region_share=advertise(region) if share else None,
+            max_notice_bytes=self.config.max_notice_bytes,
+            allow_reads=self.config.allow_reads,
+            layers=tuple(Layer(other.base_addr, other.block_len, advertise(other) if share else None)
+                         for other in self.regions.regions[1:]),
         )
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None
@@ -81,7 +95,7 @@ class Agent:
             return self
         check_ucx_environment(self.config, os.environ)
         self._transport = UcxTransport(
-            self.region, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
+            self.regions, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
         )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         self.metrics.heartbeat = self._control.last_seen
@@ -250,9 +264,35 @@ class Agent:
         self._session_listeners.append(listener)
 
     # -- transfers ---------------------------------------------------------------------------
-    def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
-        """See :meth:`UcxTransport.write_blocks`; returns at once, await the transfer."""
-        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs)
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int], *, notice: bytes | None = None
+    ) -> Transfer:
+        """See :meth:`UcxTransport.write_blocks`; returns at once, await the transfer.
+
+        With ``notice`` (at most the peer's ``max_notice_bytes``) the peer's :meth:`notices`
+        yields a :class:`Notice` with it once the rows are in place, before this transfer
+        settles; if the write fails after some of it was sent, a notice with ``failed`` set.
+        """
+        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs, notice=notice)
+
+    def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
+        """See :meth:`UcxTransport.read_blocks`: copy the peer's rows into ours; returns at
+        once, await the transfer (it resolves once the rows are in place)."""
+        return self.transport.read_blocks(peer_id, remote_idxs, local_idxs)
+
+    def notices(self) -> AsyncIterator[Notice]:
+        """``async for notice in agent.notices()``: notices of the writes peers sent with one,
+        in arrival order (per peer: write order), until the agent closes.
+
+        At most ``config.notice_queue`` wait unread; beyond that the senders' writes stay
+        unacknowledged until the application reads (nothing is dropped).
+        """
+        return aiter(self.transport.notices)
+
+    def set_notice_sink(self, sink: NoticeSink | None) -> None:
+        """The callback form of :meth:`notices`: ``sink(notice)`` is called for each new
+        notice; the sender's write settles once it returns (or its awaitable completes)."""
+        self.transport.notices.sink = sink
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """See :meth:`UcxTransport.send_message`."""

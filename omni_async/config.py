@@ -17,6 +17,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from .errors import ConfigError
+from .wire import MAX_NOTICE_BYTES
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -82,6 +83,14 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Most blocks one incoming write may name."""
     max_message_bytes: Positive = 1 << 30
     """Largest incoming chunk message (all frames together)."""
+    max_notice_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_NOTICE_BYTES)] = MAX_NOTICE_BYTES
+    """Largest notice an incoming write may carry (0: refuse notices; at most 4096)."""
+    notice_queue: Positive = 1024
+    """Notices queued for the application (``Agent.notices()``); when full, the senders'
+    writes wait for their acknowledgement until the application reads."""
+    allow_reads: bool = False
+    """Let peers read this side's region (``Agent.read_blocks``): any peer that passed the
+    handshake may then copy any of its rows.  Announced in the handshake."""
     metrics_port: Port = 0
     """Serve Prometheus ``/metrics`` on this port (0: off).  One endpoint serves every agent of
     the process; start at most one agent with it set."""

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 REMOTE_ERRORS: dict[str, type[OmniAsyncError]] = {}
 """Error types a peer may name in a rejection or a failed acknowledgement, by code.  A class
-joins by declaring ``remote=True`` (``class X(Base, remote=True)``); codes must be unique."""
+joins by declaring ``remote=True`` (``class X(Base, code="x", remote=True)``); codes must be unique."""
 
 
 class OmniAsyncError(Exception):
     """Base class of every error raised by omni_async."""
 
     code: str = "error"
+    """Stable name of the error, set by ``code=`` in the class statement."""
 
-    def __init_subclass__(cls, *, remote: bool = False, **kwargs: object) -> None:
+    def __init_subclass__(cls, *, code: str | None = None, remote: bool = False, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
         if remote:
             taken = REMOTE_ERRORS.setdefault(cls.code, cls)
             if taken is not cls:
@@ -28,135 +31,102 @@ class OmniAsyncError(Exception):
 REMOTE_ERRORS[OmniAsyncError.code] = OmniAsyncError  # the base class cannot register itself
 
 
-class ConfigError(OmniAsyncError, ValueError):
+class ConfigError(OmniAsyncError, ValueError, code="config"):
     """A configuration value is missing, has the wrong type or is out of range."""
 
-    code = "config"
 
-
-class ClosedError(OmniAsyncError, remote=True):
+class ClosedError(OmniAsyncError, code="closed", remote=True):
     """The object was closed; no new work is accepted."""
 
-    code = "closed"
 
-
-class ProtocolError(OmniAsyncError, remote=True):
+class ProtocolError(OmniAsyncError, code="protocol", remote=True):
     """A message from a peer is malformed, oversized, of an unknown kind or out of bounds."""
 
-    code = "protocol"
 
-
-class HandshakeError(OmniAsyncError):
+class HandshakeError(OmniAsyncError, code="handshake"):
     """The control-plane handshake with a peer did not succeed."""
 
-    code = "handshake"
 
-
-class HandshakeTimeout(HandshakeError, TimeoutError):
+class HandshakeTimeout(HandshakeError, TimeoutError, code="handshake_timeout"):
     """The peer did not answer the handshake in time."""
 
-    code = "handshake_timeout"
 
-
-class HandshakeRejected(HandshakeError, remote=True):
+class HandshakeRejected(HandshakeError, code="rejected", remote=True):
     """The peer refused the handshake; ``reason`` is the text it sent."""
 
-    code = "rejected"
 
-
-class VersionMismatch(HandshakeRejected, remote=True):
+class VersionMismatch(HandshakeRejected, code="version", remote=True):
     """The two sides speak different protocol versions."""
 
-    code = "version"
 
-
-class FingerprintMismatch(HandshakeRejected, remote=True):
+class FingerprintMismatch(HandshakeRejected, code="fingerprint", remote=True):
     """Both sides have a config fingerprint and they differ."""
 
-    code = "fingerprint"
 
-
-class LayoutMismatch(HandshakeRejected, remote=True):
+class LayoutMismatch(HandshakeRejected, code="layout", remote=True):
     """The two regions have different ``block_len``."""
 
-    code = "layout"
 
-
-class AlreadyConnected(HandshakeRejected, remote=True):
+class AlreadyConnected(HandshakeRejected, code="already_connected", remote=True):
     """A handshake lost to another one between the same two peers (both dialled at once, or a
     repeated connect).  The pair is (or is about to be) joined through the other connection."""
 
-    code = "already_connected"
 
-
-class PeerError(OmniAsyncError):
+class PeerError(OmniAsyncError, code="peer"):
     """Base class of errors about one peer."""
 
-    code = "peer"
 
-
-class UnknownPeer(PeerError, KeyError, remote=True):
+class UnknownPeer(PeerError, KeyError, code="unknown_peer", remote=True):
     """No peer with this id is connected."""
-
-    code = "unknown_peer"
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "unknown peer"
 
 
-class PeerLost(PeerError, remote=True):
+class PeerLost(PeerError, code="peer_lost", remote=True):
     """The peer left, died, or stopped answering heartbeats."""
 
-    code = "peer_lost"
 
-
-class TransferError(OmniAsyncError):
+class TransferError(OmniAsyncError, code="transfer"):
     """Base class of errors that end one transfer."""
 
-    code = "transfer"
 
-
-class TransferFailed(TransferError, remote=True):
+class TransferFailed(TransferError, code="failed", remote=True):
     """The transfer did not complete; the reason says why (often sent by the receiver)."""
 
-    code = "failed"
 
-
-class TransferCancelled(TransferError, remote=True):
+class TransferCancelled(TransferError, code="cancelled", remote=True):
     """The transfer was cancelled by its owner before it completed."""
 
-    code = "cancelled"
 
-
-class TransferRefused(TransferError, remote=True):
+class TransferRefused(TransferError, code="refused", remote=True):
     """The receiver refused the transfer (e.g. its key is awaited from another peer)."""
 
-    code = "refused"
 
-
-class BufferFull(TransferRefused, remote=True):
+class BufferFull(TransferRefused, code="buffer_full", remote=True):
     """The receiver's buffer for payloads nobody asked for yet is full; try again later."""
 
-    code = "buffer_full"
+
+class ReadsNotAllowed(TransferRefused, code="reads_not_allowed", remote=True):
+    """The peer does not allow reads of its region (its ``allow_reads`` is off)."""
 
 
-class DeadlineExceeded(TransferError, TimeoutError, remote=True):
+class DeadlineExceeded(TransferError, TimeoutError, code="deadline", remote=True):
     """A request or transfer made no progress within its deadline."""
 
-    code = "deadline"
 
-
-class InvalidBlocks(TransferError, ValueError, remote=True):
+class InvalidBlocks(TransferError, ValueError, code="invalid_blocks", remote=True):
     """Block index lists are unequal in length or name a block outside a region."""
 
-    code = "invalid_blocks"
 
-
-class InvalidMessage(TransferError, ValueError, remote=True):
+class InvalidMessage(TransferError, ValueError, code="invalid_message", remote=True):
     """A chunk message exceeds a wire limit or the receiver's announced ``max_message_bytes``
     (raised by the sender before anything is sent)."""
 
-    code = "invalid_message"
+
+class InvalidNotice(TransferError, ValueError, code="invalid_notice"):
+    """A write's notice is not bytes or exceeds the receiver's announced ``max_notice_bytes``
+    (raised by the sender before anything is sent)."""
 
 
 def error_from_code(code: str, reason: str) -> OmniAsyncError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, TypeVar
 
 from .errors import (
@@ -30,6 +30,7 @@ from .wire import (
     DEFAULT_MAX_WRITE_BLOCKS,
     PROTOCOL_VERSION,
     Hello,
+    Layer,
     RegionShare,
     Reject,
     Welcome,
@@ -53,6 +54,10 @@ class LocalIdentity:
     max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     region_share: RegionShare | None = None
+    max_notice_bytes: int = 0
+    allow_reads: bool = False
+    layers: tuple[Layer, ...] = ()
+    """The other regions of a region set (see :class:`~omni_async.wire.Layer`)."""
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -80,6 +85,9 @@ class LocalIdentity:
             max_write_blocks=self.max_write_blocks,
             max_message_bytes=self.max_message_bytes,
             region_share=self.region_share,
+            max_notice_bytes=self.max_notice_bytes,
+            allow_reads=self.allow_reads,
+            layers=list(self.layers),
         )
 
 
@@ -100,6 +108,25 @@ class PeerInfo:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """Largest chunk message the peer accepts."""
     region_share: RegionShare | None = None
+    max_notice_bytes: int = 0
+    """Largest notice the peer takes on a write (0: none)."""
+    allow_reads: bool = False
+    """The peer lets us read its region."""
+    layers: tuple[Layer, ...] = ()
+    """The other regions of the peer's region set."""
+
+    @property
+    def block_lens(self) -> tuple[int, ...]:
+        """Block length of each region of the peer's set, the first one first."""
+        return (self.block_len, *(layer.block_len for layer in self.layers))
+
+    def layer(self, index: int) -> PeerInfo:
+        """The peer as if region ``index`` of its set were its only one."""
+        if index == 0:
+            return replace(self, layers=())
+        layer = self.layers[index - 1]
+        return replace(self, base_addr=layer.base_addr, block_len=layer.block_len,
+                       region_share=layer.region_share, layers=())
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
@@ -115,6 +142,9 @@ class PeerInfo:
             max_write_blocks=msg.max_write_blocks,
             max_message_bytes=msg.max_message_bytes,
             region_share=msg.region_share,
+            max_notice_bytes=msg.max_notice_bytes,
+            allow_reads=msg.allow_reads,
+            layers=tuple(msg.layers),
         )
 
 
@@ -136,10 +166,18 @@ def check_peer(local: LocalIdentity, remote: Hello) -> None:
         )
     if remote.peer_id == local.peer_id:
         raise HandshakeRejected(f"peer id {remote.peer_id!r} is this side's own id")
-    if remote.block_len != local.block_len:
+    if len(remote.layers) != len(local.layers):
         raise LayoutMismatch(
-            f"block_len {remote.block_len} of {remote.peer_id!r} differs from this side's {local.block_len}"
+            f"{remote.peer_id!r} has {len(remote.layers) + 1} regions, this side {len(local.layers) + 1}"
         )
+    theirs = [remote.block_len, *(layer.block_len for layer in remote.layers)]
+    ours = [local.block_len, *(layer.block_len for layer in local.layers)]
+    for index, (their, our) in enumerate(zip(theirs, ours, strict=True)):
+        if their != our:
+            where = f" of region {index}" if len(ours) > 1 else ""
+            raise LayoutMismatch(
+                f"block_len {their}{where} of {remote.peer_id!r} differs from this side's {our}"
+            )
     if not fingerprints_compatible(local.fingerprint, remote.fingerprint):
         raise FingerprintMismatch(
             f"config fingerprint {remote.fingerprint} of {remote.peer_id!r} differs from "

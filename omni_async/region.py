@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from .errors import ConfigError, InvalidBlocks
 from .memfd import SharedSegment
+from .wire import MAX_LAYERS
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,54 @@ class BlockRegion:
         """Zero-copy contiguous view of ``count`` blocks from ``start`` (a 1-D byte array)."""
         view: npt.NDArray[np.uint8] = self._array[start : start + count].reshape(-1)
         return view
+
+
+class RegionSet:
+    """Regions that share ``num_blocks`` (one per layer, or K and V separately), each with its
+    own ``block_len``: block index ``i`` names block ``i`` of every region, and a transfer of
+    it moves it in all of them.  A single :class:`BlockRegion` is the one-region case.
+    """
+
+    __slots__ = ("regions",)
+
+    def __init__(self, regions: Sequence[BlockRegion]) -> None:
+        if not regions:
+            raise ConfigError("a region set needs at least one region")
+        if len(regions) > MAX_LAYERS:
+            raise ConfigError(f"a region set holds at most {MAX_LAYERS} regions, got {len(regions)}")
+        counts = {region.num_blocks for region in regions}
+        if len(counts) != 1:
+            raise ConfigError(f"the regions of a set must share num_blocks, got {sorted(counts)}")
+        self.regions: tuple[BlockRegion, ...] = tuple(regions)
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_lens: Sequence[int]) -> RegionSet:
+        """New zero-filled regions (each in its own memfd, see :meth:`BlockRegion.allocate`)."""
+        return cls([BlockRegion.allocate(num_blocks, block_len) for block_len in block_lens])
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.regions[0].num_blocks
+
+    @property
+    def block_lens(self) -> tuple[int, ...]:
+        return tuple(region.block_len for region in self.regions)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block index moves (its block in every region)."""
+        return sum(self.block_lens)
+
+    @property
+    def arrays(self) -> list[npt.NDArray[np.uint8]]:
+        return [region.array for region in self.regions]
+
+
+def as_region_set(region: BlockRegion | RegionSet) -> RegionSet:
+    return region if isinstance(region, RegionSet) else RegionSet([region])
 
 
 class Run(NamedTuple):

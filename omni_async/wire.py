@@ -52,6 +52,13 @@ DEFAULT_MAX_WRITE_BLOCKS: Final = 1 << 20
 """A receiver's ``max_write_blocks`` when its Hello does not announce one."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1 << 30
 """A receiver's ``max_message_bytes`` when its Hello does not announce one."""
+MAX_LAYERS: Final = 256
+"""Most regions in a region set (a block index moves its block in each)."""
+READ_RUNS_PER_REQUEST: Final = 2048
+"""Most runs in one :class:`ReadRequest` (three 9-byte integers a run in the worst case)."""
+MAX_NOTICE_BYTES: Final = 4096
+"""Largest notice a write request may carry (a worst-case request still fits
+:data:`MAX_HEADER_BYTES` with it); a receiver announces its own limit, at most this."""
 
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID)]
 Fingerprint = Annotated[str, msgspec.Meta(max_length=64)]
@@ -83,6 +90,15 @@ class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     proof_addr: NonNeg = 0
 
 
+class Layer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One more region of a region set: its address, block length and same-host offer (the
+    first region is described by the :class:`Hello` itself)."""
+
+    base_addr: NonNeg
+    block_len: Count
+    region_share: RegionShare | None = None
+
+
 class Hello(_Msg, tag="hello", frozen=True):
     """First message of a handshake; :class:`Welcome` is the same description of the other side.
 
@@ -106,6 +122,12 @@ class Hello(_Msg, tag="hello", frozen=True):
     """Largest incoming chunk message the sender accepts (all frames together)."""
     region_share: RegionShare | None = None
     """Offered to peers with the same ``host_id`` (None: write through UCX only)."""
+    max_notice_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_NOTICE_BYTES)] = 0
+    """Largest notice the sender accepts on an incoming write (0: it takes none)."""
+    allow_reads: bool = False
+    """Peers may read the sender's region (``read_blocks``)."""
+    layers: Annotated[list[Layer], msgspec.Meta(max_length=MAX_LAYERS - 1)] = []
+    """The other regions of the sender's region set, in order (empty: one region)."""
 
 
 class Welcome(Hello, tag="welcome", frozen=True):
@@ -140,6 +162,10 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     its own message tagged ``seq + i``.  ``placed``: no payload follows, the sender already
     copied the rows into the receiver's region (same host, see
     :mod:`omni_async.transport.shared`); the receiver checks the runs and acknowledges.
+
+    ``notice``: the receiver's application is told (with this data) once every request of the
+    transfer is in place, before the acknowledgement that settles it; a transfer split into
+    ``parts`` requests carries it on each, numbered by ``part``.
     """
 
     transfer_id: NonNeg
@@ -147,6 +173,9 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     runs: Annotated[list[tuple[NonNeg, Count]], msgspec.Meta(min_length=1, max_length=MAX_RUNS)]
     gathered: bool = True
     placed: bool = False
+    notice: Annotated[bytes, msgspec.Meta(max_length=MAX_NOTICE_BYTES)] | None = None
+    part: NonNeg = 0
+    parts: Count = 1
 
 
 class MessageHeader(_Msg, tag="m", frozen=True):
@@ -162,6 +191,28 @@ class MessageHeader(_Msg, tag="m", frozen=True):
 
 class Ack(_Msg, tag="a", frozen=True):
     """The receiver's verdict on one transfer: ``code == ""`` means the data is in place."""
+
+    transfer_id: NonNeg
+    code: Code = ""
+    reason: Reason = ""
+
+
+class ReadRequest(_Msg, tag="r", frozen=True):
+    """Asks the peer to write its rows into ours: ``runs`` are ``(peer_start, our_start,
+    count)``.  The peer answers with an ordinary block write of those rows, then, once that
+    write is acknowledged, an :class:`Ack` for ``transfer_id`` (or a failed one: reads not
+    allowed, rows out of range).  A read with more runs is several requests of one transfer."""
+
+    transfer_id: NonNeg
+    runs: Annotated[
+        list[tuple[NonNeg, NonNeg, Count]], msgspec.Meta(min_length=1, max_length=READ_RUNS_PER_REQUEST)
+    ]
+
+
+class Abort(_Msg, tag="x", frozen=True):
+    """The sender gave up a write with a notice after posting some of it (deadline, cancel):
+    the receiver reports it failed, with ``code`` and ``reason``, once the requests it has
+    seen are in (their payload may still be landing)."""
 
     transfer_id: NonNeg
     code: Code = ""
@@ -186,7 +237,7 @@ class RingOffer(_Msg, tag="r", frozen=True):
     capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
 
 
-DataHeader: TypeAlias = WriteRequest | MessageHeader | Ack | Goodbye | RingOffer
+DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Goodbye | RingOffer
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)
@@ -204,6 +255,8 @@ def decode_control(data: bytes) -> ControlMessage:
     msg: ControlMessage = decode_bounded(_control_decoder, data, MAX_CONTROL_BYTES, "control message")
     if isinstance(msg, Hello):  # Welcome too; the version is checked by the handshake
         check_layout(msg.base_addr, msg.num_blocks, msg.block_len)
+        for layer in msg.layers:
+            check_layout(layer.base_addr, msg.num_blocks, layer.block_len)
     return msg
 
 

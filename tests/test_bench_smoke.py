@@ -94,7 +94,8 @@ def test_idle_reports_cpu() -> None:
 def test_chunks_quick_reports_ratios(tmp_path: Path) -> None:
     plot = tmp_path / "chunks.svg"
     report = bench("chunks", "--quick", *plot_args(plot), timeout=50)
-    assert {"chunk_a", "chunk_stream", "chunk_a_tcp", "chunk_stream_tcp"} | CHUNK_ZMQ_KEYS <= set(report["ratios"])
+    assert {"chunk_a", "chunk_stream", "chunk_a_tcp", "chunk_stream_tcp", "notice_rt", "notice_rt_tcp"} \
+        | CHUNK_ZMQ_KEYS <= set(report["ratios"])
     for name, ratio in report["ratios"].items():
         assert ratio["vs_memcpy"] > 0, name
         # the pyzmq baseline ran beside every row, same shapes (its receiver checked every chunk)
@@ -105,3 +106,15 @@ def test_chunks_quick_reports_ratios(tmp_path: Path) -> None:
     assert report["zmq"]["available"]
     assert {t["row"] for t in report["targets"].values()} == CHUNK_ZMQ_KEYS
     check_plot(plot, report, ["omni_async", "pyzmq + msgspec", "memcpy"])
+
+
+@pytest.mark.timeout(120)
+def test_layers_quick_reports_a_region_set_beside_nixl() -> None:
+    report = bench("layers", "--quick", timeout=100)
+    assert set(report["results"]) == {"kv_64x32", "kv_64x32_tcp"}
+    for name, ratio in report["ratios"].items():
+        assert ratio["vs_memcpy"] > 0, name  # every contender verified its bytes, or the run failed
+        row = report["results"][name]
+        assert row["bytes"] == 64 * 32 * 16 * 1024 and row["omni_async"]["gbps"] > 0
+        nixl = report["nixl"][row["mode"]]
+        assert (ratio["vs_nixl"] is not None and ratio["vs_nixl"] > 0) == nixl["available"], (name, nixl)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import InvalidMessage
+from ..errors import InvalidMessage, InvalidNotice
 from ..region import Run
 from ..wire import (
     MAX_FRAMES,
@@ -115,3 +115,17 @@ def check_message(key: Any, meta: Any, sizes: Sequence[int], max_bytes: int) -> 
     total = sum(sizes)
     if total > max_bytes:
         raise InvalidMessage(f"message of {total} bytes exceeds the receiver's limit of {max_bytes}")
+
+
+def check_notice(notice: Any, max_bytes: int) -> bytes:
+    """The notice of a write as bytes, or raise: :class:`TypeError` if it is not bytes-like,
+    :class:`~omni_async.errors.InvalidNotice` if it exceeds the receiver's ``max_bytes``
+    (0: the receiver takes no notices)."""
+    if not isinstance(notice, bytes | bytearray | memoryview):
+        raise TypeError(f"a notice must be bytes, got {type(notice).__name__}")
+    data = bytes(notice)
+    if not max_bytes:
+        raise InvalidNotice("the receiver takes no notices (its max_notice_bytes is 0)")
+    if len(data) > max_bytes:
+        raise InvalidNotice(f"notice of {len(data)} bytes exceeds the receiver's limit of {max_bytes}")
+    return data

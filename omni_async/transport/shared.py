@@ -103,6 +103,13 @@ class MappedRegion:
         for local, remote, length in runs:
             dst[remote : remote + length] = src[local : local + length]
 
+    def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        """Copy the peer's blocks of each run (``remote``) into ``dst`` (``local``); the runs
+        are already bounded by both layouts."""
+        src = self.rows
+        for local, remote, length in runs:
+            dst[local : local + length] = src[remote : remote + length]
+
     def close(self) -> None:
         self._rows = None
         mapping, self._mapping = self._mapping, None
@@ -172,6 +179,54 @@ def advertise(region: BlockRegion) -> RegionShare | None:
         return None
     token, address = proof()
     return RegionShare(pid=os.getpid(), token=token, proof_addr=address)
+
+
+class Writers:
+    """The direct writers of every region of a peer's region set, in order (one for a single
+    region); ``kind`` and ``num_blocks`` are the first one's (the set shares ``num_blocks``)."""
+
+    def __init__(self, writers: Sequence[DirectWriter]) -> None:
+        self.writers = list(writers)
+
+    @property
+    def kind(self) -> str:
+        return self.writers[0].kind
+
+    @property
+    def num_blocks(self) -> int:
+        return self.writers[0].num_blocks
+
+    @property
+    def mapped(self) -> bool:
+        """Every region is mapped here, so it can be read as well (:meth:`fetch`)."""
+        return all(isinstance(writer, MappedRegion) for writer in self.writers)
+
+    def place(self, srcs: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run]) -> None:
+        """Copy each run's blocks of every source region into the peer's (see ``DirectWriter.place``)."""
+        for writer, src in zip(self.writers, srcs, strict=True):
+            writer.place(src, runs)
+
+    def fetch(self, dsts: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run]) -> None:
+        """Copy the peer's blocks into ``dsts`` (only if :attr:`mapped`; else :class:`OSError`)."""
+        for writer, dst in zip(self.writers, dsts, strict=True):
+            if not isinstance(writer, MappedRegion):
+                raise OSError("the peer's region is not mapped here")
+            writer.fetch(dst, runs)
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
+def open_writers(peer: PeerInfo, host_id: str) -> Writers | None:
+    """Direct writers for every region of the peer's set, or None (UCX) unless all open."""
+    writers = [open_writer(peer.layer(i), host_id) for i in range(len(peer.layers) + 1)]
+    if all(writers):
+        return Writers([writer for writer in writers if writer is not None])
+    for writer in writers:
+        if writer is not None:
+            writer.close()
+    return None
 
 
 def open_writer(peer: PeerInfo, host_id: str) -> DirectWriter | None:

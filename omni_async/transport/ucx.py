@@ -48,6 +48,7 @@ from ..errors import (
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    ReadsNotAllowed,
     TransferCancelled,
     TransferFailed,
     UnknownPeer,
@@ -55,18 +56,23 @@ from ..errors import (
 )
 from ..handshake import PeerInfo
 from ..metrics import Kind, Metrics
-from ..region import BlockRegion, Run, plan_runs
+from ..region import BlockRegion, RegionSet, Run, as_region_set, plan_runs
 from ..wire import (
     DATA_KIND,
     FULL_MASK,
     HEADER_TAG,
     KIND_MASK,
     MAX_HEADER_BYTES,
+    MAX_PENDING_PAYLOADS,
+    READ_RUNS_PER_REQUEST,
+    RUNS_PER_REQUEST,
     SEQ_MASK,
+    Abort,
     Ack,
     DataHeader,
     Goodbye,
     MessageHeader,
+    ReadRequest,
     RingOffer,
     WriteRequest,
     data_tag,
@@ -76,11 +82,12 @@ from ..wire import (
     validate_write,
 )
 from .lane import Completion, Lane, new_context
-from .limits import Window, check_message, receive_budget, split_runs
+from .limits import Window, check_message, check_notice, receive_budget, split_runs
+from .notices import Notice, NoticeBook, NoticeQueue, sink_error
 from .protocol import Inbox, Outbox
 from .ring import RingError
 from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
-from .shared import DirectWriter, Refused, open_writer
+from .shared import Refused, Writers, open_writers
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -152,9 +159,13 @@ class _Link:
     """This side sent its Goodbye; the lane is draining."""
     peer_left: bool = False
     """The peer's Goodbye arrived: every message it sent is here."""
-    direct: DirectWriter | None = None
-    """Writes blocks straight into the peer's region (same host, see :mod:`.shared`); None:
-    block payloads go through UCX."""
+    direct: Writers | None = None
+    """Write blocks straight into the peer's regions, one per region of its set (same host,
+    see :mod:`.shared`); None: block payloads go through UCX."""
+    noticed: set[int] = field(default_factory=set)
+    """Transfers to the peer that carry a notice (the peer is told if they are given up)."""
+    notices: NoticeBook[Callable[[], None]] = field(init=False)
+    """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
     ring_in: RingReceiver | None = None
     """The ring this peer writes headers and chunk messages into (same host, see
     :mod:`.samehost`); None: they come over UCX."""
@@ -169,6 +180,8 @@ class _Link:
     def __post_init__(self, receive_bytes: int) -> None:
         self.outbox = Outbox(Window(self.peer.max_message_bytes))
         self.inbox = Inbox(receive_bytes)
+        # The sender's window counts each request with a notice as a payload message.
+        self.notices = NoticeBook(self.peer.peer_id, 2 * MAX_PENDING_PAYLOADS)
 
 
 class _Countdown:
@@ -190,20 +203,30 @@ class _Countdown:
 
 
 class UcxTransport:
-    """Data plane of one agent over ``region``.  All methods run on the agent's event loop.
+    """Data plane of one agent over ``region`` (or a region set: every block index names its
+    block in each region, and moves in all of them).  All methods run on the agent's event loop.
 
     ``fault(peer_id, error)`` is called when a peer broke the protocol; the owner should drop
     it (``remove_peer``).  Chunk messages go to :attr:`message_sink` (unset: refused).
     """
 
     def __init__(
-        self, region: BlockRegion, config: AgentConfig, fault: FaultCallback, metrics: Metrics, host_id: str = ""
+        self,
+        region: BlockRegion | RegionSet,
+        config: AgentConfig,
+        fault: FaultCallback,
+        metrics: Metrics,
+        host_id: str = "",
     ) -> None:
-        self.region = region
+        self.regions = as_region_set(region)
+        self.region = self.regions.regions[0]
+        self._arrays = self.regions.arrays
         self.host_id = host_id
         self.config = config
         self.metrics = metrics
         self.message_sink: MessageSink | None = None
+        self.notices = NoticeQueue(config.notice_queue)
+        """Notices of incoming writes, for the application (see :mod:`.notices`)."""
         self._fault = fault
         self._loop = asyncio.get_running_loop()
         self._context = new_context(config.ucx_tls, config.ucx_net_devices)
@@ -248,7 +271,7 @@ class UcxTransport:
             receive_bytes=receive_budget(self.config.max_message_bytes),
         )
         if self.config.same_host_lane:
-            link.direct = open_writer(peer, self.host_id)
+            link.direct = open_writers(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
@@ -328,6 +351,8 @@ class UcxTransport:
         if link is None:
             return False
         error = error or PeerLost(f"peer {peer_id!r} removed")
+        for notice in link.notices.lost(error):  # the writes it was sending us fail
+            self.notices.offer(notice, _nothing)
         link.outbox.clear()
         link.parked.clear()
         self._drop_direct(link)
@@ -402,19 +427,35 @@ class UcxTransport:
         return [sent.transfer for link in links for sent in link.sent.values()]
 
     # -- sending ---------------------------------------------------------------------------
-    def write_blocks(self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]) -> Transfer:
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int], *, notice: bytes | None = None
+    ) -> Transfer:
         """Write local blocks into the peer's blocks; the returned transfer settles on its ack.
 
         Raises at once, before any byte moves: :class:`UnknownPeer`, :class:`InvalidBlocks`
-        (unequal lengths, an index out of range or not an int), :class:`ClosedError`.
+        (unequal lengths, an index out of range or not an int), :class:`InvalidNotice` (a
+        ``notice`` over the peer's ``max_notice_bytes``), :class:`TypeError` (a notice that is
+        not bytes), :class:`ClosedError`.
         A write larger than the receiver takes in one request goes out as several.
         The local blocks must not change until the transfer settles.
+
+        With ``notice`` the peer's application gets a :class:`~.notices.Notice` with this data
+        once every row is in place, before the transfer settles (one per write, however it is
+        split); if the write fails or is given up after some of it was sent, a failed one.
+        A write of no blocks sends nothing and notifies nobody.
         """
         self._check_open()
         link = self._link(peer_id)
+        if notice is not None:
+            notice = check_notice(notice, link.peer.max_notice_bytes)
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
-        block_len = self.region.block_len
-        transfer = self._new_transfer(link, len(local_idxs) * block_len, "blocks")
+        return self._write_runs(link, runs, len(local_idxs), notice)
+
+    def _write_runs(self, link: _Link, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:
+        """Write checked runs (``local``: our rows, ``remote``: the peer's) to the peer."""
+        block_bytes = self.regions.block_bytes
+        layers = len(self._arrays)
+        transfer = self._new_transfer(link, blocks * block_bytes, "blocks")
         if not runs:
             self._settle(link, transfer.id, None)  # nothing to move: done, and not left in flight
             return transfer
@@ -423,35 +464,102 @@ class UcxTransport:
         direct = link.direct
         placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
         requests: list[tuple[int, int, Callable[[], None]]] = []
-        for request in split_runs(runs, link.peer.max_write_blocks):
+        # A run is one payload message per region unless gathered: keep a request within the
+        # receiver's bound on payload messages pending.
+        split = split_runs(runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers))
+        if notice is not None:
+            link.noticed.add(transfer.id)
+        for part, request in enumerate(split):
+            tag = None if notice is None else _Tag(notice, part, len(split))
             if placed:  # same host: copied straight into the peer's rows, no payload message
-                requests.append((0, 0, partial(self._place, link, transfer.id, request)))
+                # A request with a notice counts as a payload message: the receiver's bound
+                # on writes with notices pending is the window's.
+                requests.append((0 if tag is None else 1, 0, partial(self._place, link, transfer.id, request, tag)))
                 continue
-            nbytes = sum(run.length for run in request) * block_len
+            nbytes = sum(run.length for run in request) * block_bytes
+            messages = len(request) * layers
             # Many small runs: one gathered message (Python cost per message dominates).  Large
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
-            gather = link.gather and len(request) > 1 and nbytes < _GATHER_MAX_RUN * len(request)
-            post = partial(self._post_write, link, transfer.id, request, gather)
-            requests.append((1 if gather else len(request), 0, post))
+            gather = link.gather and messages > 1 and nbytes < _GATHER_MAX_RUN * messages
+            post = partial(self._post_write, link, transfer.id, request, gather, tag)
+            requests.append((1 if gather else messages, 0, post))
         _carry_out(link.outbox.submit(transfer.id, requests))
         return transfer
 
-    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool) -> None:
+    def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
+        """Copy the peer's blocks ``remote_idxs`` into ours ``local_idxs``; the returned
+        transfer settles once every row is in place (or fails, and says why).
+
+        Raises at once, before any I/O: :class:`ReadsNotAllowed` (the peer's ``allow_reads``
+        is off), :class:`UnknownPeer`, :class:`InvalidBlocks`, :class:`ClosedError`.  A peer
+        on this host whose region is mapped here is copied from directly (settled on return);
+        otherwise a :class:`~omni_async.wire.ReadRequest` asks the peer to write the rows
+        into ours.  Deadlines, cancel modes and peer loss as for writes; after
+        ``cancel("immediate")`` the peer may still write the requested rows for a moment,
+        and no other row of ours is ever written.
+        """
+        self._check_open()
+        link = self._link(peer_id)
+        if not link.peer.allow_reads:
+            raise ReadsNotAllowed(f"peer {peer_id!r} does not allow reads of its region")
+        runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        transfer = self._new_transfer(link, len(local_idxs) * self.regions.block_bytes, "blocks")
+        direct = link.direct
+        if not runs:
+            self._settle(link, transfer.id, None)
+            return transfer
+        if direct is not None and direct.mapped and max(run.remote + run.length for run in runs) <= direct.num_blocks:
+            try:
+                direct.fetch(self._arrays, runs)
+            except OSError as exc:  # unmapped meanwhile: cannot happen on the loop, but say why
+                self._settle(link, transfer.id, TransferFailed(f"same-host read failed: {exc}"))
+            else:
+                self._settle(link, transfer.id, None)
+            return transfer
+        requests: list[tuple[int, int, Callable[[], None]]] = []
+        for first in range(0, len(runs), READ_RUNS_PER_REQUEST):
+            pairs = [(run.remote, run.local, run.length) for run in runs[first : first + READ_RUNS_PER_REQUEST]]
+            header = encode_header(ReadRequest(transfer.id, pairs))
+            requests.append((0, 0, partial(link.lane.send, header, HEADER_TAG, partial(self._sent, link, transfer.id))))
+        _carry_out(link.outbox.submit(transfer.id, requests))
+        return transfer
+
+    def _on_read(self, link: _Link, req: ReadRequest) -> None:
+        """A peer asks for our rows: write them into its region, then acknowledge the read
+        once that write is acknowledged (or refuse it, with the reason)."""
+        if self._closed or self._links.get(link.peer.peer_id) is not link:
+            return  # leaving: no new writes to it
+        block_bytes = self.regions.block_bytes
+        refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
+        if not self.config.allow_reads:
+            log.warning("refused read %d from %s: reads are not allowed", req.transfer_id, link.peer.peer_id)
+            refuse(ReadsNotAllowed("this peer does not allow reads of its region"))
+            return
+        runs = [Run(src, dst, count) for src, dst, count in req.runs]
+        for src, dst, count in runs:
+            if src + count > self.region.num_blocks or dst + count > link.peer.num_blocks:
+                refuse(InvalidBlocks(f"read of {count} blocks from {src} into {dst} leaves a region"))
+                return
+        blocks = sum(run.length for run in runs)
+        write = self._write_runs(link, runs, blocks, None)
+        answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_bytes)
+        write.add_done_callback(lambda done: answer(done.error()))
+
+    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
-        seq = link.outbox.take_seq(1 if gather else len(runs))
-        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], gather)
+        seq = link.outbox.take_seq(1 if gather else len(runs) * len(self._arrays))
+        header = _write_request(transfer_id, seq, runs, tag, gathered=gather)
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
-        array = self.region.array
-        rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs]
+        rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs for array in self._arrays]
         if gather:
             lane.send_many(rows, data_tag(seq), on_sent)  # one message, gathered from the rows
         else:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
 
-    def _place(self, link: _Link, transfer_id: int, runs: list[Run]) -> None:
+    def _place(self, link: _Link, transfer_id: int, runs: list[Run], tag: _Tag | None) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
@@ -464,7 +572,7 @@ class UcxTransport:
             self._settle(link, transfer_id, TransferFailed("the same-host lane to the peer was closed"))
             return
         try:
-            direct.place(self.region.array, runs)
+            direct.place(self._arrays, runs)
         except OSError as exc:
             self._drop_direct(link)
             if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
@@ -476,8 +584,11 @@ class UcxTransport:
                 self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
             return
         seq = link.outbox.take_seq(0)
-        header = WriteRequest(transfer_id, seq, [(run.remote, run.length) for run in runs], placed=True)
-        self._send_header(link, header, partial(self._sent, link, transfer_id))
+        header = _write_request(transfer_id, seq, runs, tag, placed=True)
+        if tag is None:  # a write with a notice keeps the lane: notices follow header order
+            self._send_header(link, header, partial(self._sent, link, transfer_id))
+        else:
+            link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
 
     @staticmethod
     def _drop_direct(link: _Link) -> None:
@@ -619,9 +730,12 @@ class UcxTransport:
             return  # settled already (cancelled, expired, acknowledged)
         sent.timer.cancel()
         if self._links.get(link.peer.peer_id) is link:
+            if error is not None:
+                self._abort(link, transfer_id, error)
             _carry_out(link.outbox.forget(transfer_id))
             if link.parked:
                 self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
+        link.noticed.discard(transfer_id)
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
             sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
@@ -630,6 +744,13 @@ class UcxTransport:
             sent.transfer.set_done()
         else:
             sent.transfer.set_failed(error)
+
+    def _abort(self, link: _Link, transfer_id: int, error: OmniAsyncError) -> None:
+        """A write with a notice is given up here after some of it was posted: tell the
+        receiver, whose application gets a failed notice (before the outbox forgets it)."""
+        if transfer_id in link.noticed and link.outbox.posted(transfer_id):
+            abort = Abort(transfer_id, error.code, str(error)[:1000])
+            link.lane.send(encode_header(abort), HEADER_TAG, _ignore)
 
     # -- cancelling ------------------------------------------------------------------------
     def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
@@ -655,6 +776,8 @@ class UcxTransport:
             return True  # nothing of it left this side if nothing was posted: settle now
         sent = link.sent.pop(transfer.id)
         sent.timer.cancel()
+        self._abort(link, transfer.id, TransferCancelled("the sender cancelled the write"))
+        link.noticed.discard(transfer.id)
         _carry_out(link.outbox.forget(transfer.id))
         self.metrics.settled(
             sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started, transfer.peer_id
@@ -746,6 +869,11 @@ class UcxTransport:
             self._on_write(link, header)
         elif isinstance(header, RingOffer):
             self._on_ring_offer(link, header)
+        elif isinstance(header, ReadRequest):
+            self._on_read(link, header)
+        elif isinstance(header, Abort):
+            error = error_from_code(header.code, header.reason or "the sender gave the write up")
+            self._queue_notices(link.notices.aborted(header.transfer_id, error))
         else:
             self._on_message(link, header)
 
@@ -756,23 +884,30 @@ class UcxTransport:
         _carry_out(posts)
 
     def _on_write(self, link: _Link, req: WriteRequest) -> None:
-        array = self.region.array
+        """A block write: each run's rows of every region of the set, run by run (gathered:
+        one payload message; else one per run and region, in that order)."""
+        messages = 1 if req.gathered else len(req.runs) * len(self._arrays)
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
+            refuse = self._answerer(link, req, 0, valid=False)
+            if refuse is None:
+                return
             if req.placed:  # nothing to drain: no payload follows
                 log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
-                self._answer(link, req.transfer_id, "blocks", 0, InvalidBlocks(str(exc)))
+                refuse(InvalidBlocks(str(exc)))
             else:
-                self._drain(link, req, InvalidBlocks(str(exc)))
+                self._drain(link, req, InvalidBlocks(str(exc)), refuse)
             return
-        finish = partial(self._answer, link, req.transfer_id, "blocks", blocks * self.region.block_len)
+        finish = self._answerer(link, req, blocks * self.regions.block_bytes, valid=True)
+        if finish is None:
+            return
         if req.placed:  # the sender already copied the rows into our region; no payload follows
             finish(None)
             return
-        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
+        if not self._admit(link, req.seq, messages, 0):
             return
-        rows = [array[start : start + count].reshape(-1) for start, count in req.runs]
+        rows = [array[start : start + count].reshape(-1) for start, count in req.runs for array in self._arrays]
         if req.gathered:
             self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
         else:
@@ -781,21 +916,52 @@ class UcxTransport:
                 if not self._expect(link, req.seq + i, [row], parts.done):
                     return
 
-    def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks) -> None:
+    def _answerer(self, link: _Link, req: WriteRequest, nbytes: int, *, valid: bool) -> Completion | None:
+        """What answers this write request: its acknowledgement, through the peer's notice
+        book if it carries a notice (``valid``: its rows may be written).  None if the request
+        broke the protocol (the peer is dropped)."""
+        answer = partial(self._answer, link, req.transfer_id, "blocks", nbytes)
+        if req.notice is None:
+            return answer
+        limit = self.config.max_notice_bytes
+        try:
+            if not limit or len(req.notice) > limit:
+                raise ProtocolError(f"notice of {len(req.notice)} bytes exceeds this side's limit of {limit}")
+            link.notices.seen(req.transfer_id, req.part, req.parts, req.runs if valid else [], req.notice)
+        except ProtocolError as exc:
+            self._fault(link.peer.peer_id, exc)
+            return None
+        return partial(self._answer_noticed, link, req.transfer_id, answer)
+
+    def _answer_noticed(self, link: _Link, transfer_id: int, answer: Completion, error: BaseException | None) -> None:
+        """A request of a write with a notice is done: the acknowledgement that completes
+        the write waits until its notice is queued (and the notices before it)."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return  # the peer is gone: its notice book already failed the write
+        failed = None if error is None else sink_error(error)
+        held, ready = link.notices.done(transfer_id, failed, partial(answer, error))
+        if not held:
+            answer(error)
+        self._queue_notices(ready)
+
+    def _queue_notices(self, ready: list[tuple[Notice, list[Callable[[], None]]]]) -> None:
+        for notice, acks in ready:
+            self.notices.offer(notice, partial(_carry_out, acks))
+
+    def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks, refuse: Completion) -> None:
         """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
         lingers in UCX's queues), then send the refusal."""
-        if not self._admit(link, req.seq, 1 if req.gathered else len(req.runs), 0):
+        lens = self.regions.block_lens
+        sizes = [count * block_len for _, count in req.runs for block_len in lens]
+        if not self._admit(link, req.seq, 1 if req.gathered else len(sizes), 0):
             return
-        block_len = self.region.block_len
         log.warning("refused write %d from %s: %s", req.transfer_id, link.peer.peer_id, reason)
-        refuse = partial(self._answer, link, req.transfer_id, "blocks", 0)
-        parts = _Countdown(1 if req.gathered else len(req.runs), lambda _error: refuse(reason))
+        parts = _Countdown(1 if req.gathered else len(sizes), lambda _error: refuse(reason))
         if req.gathered:
-            total = sum(count for _, count in req.runs)
-            self._expect(link, req.seq, [link.scratch], parts.done, total * block_len)
+            self._expect(link, req.seq, [link.scratch], parts.done, sum(sizes))
         else:
-            for i, (_, count) in enumerate(req.runs):
-                if not self._expect(link, req.seq + i, [link.scratch], parts.done, count * block_len):
+            for i, size in enumerate(sizes):
+                if not self._expect(link, req.seq + i, [link.scratch], parts.done, size):
                     return
 
     def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
@@ -888,6 +1054,7 @@ class UcxTransport:
             self._closed = True
             for peer_id in list(self._links):
                 self.remove_peer(peer_id, ClosedError("transport closed"), orderly=True)
+            self.notices.close()
         await asyncio.gather(*list(self._drains))
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
 
@@ -900,6 +1067,28 @@ class UcxTransport:
             return self._links[peer_id]
         except KeyError:
             raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class _Tag:
+    """The notice of a write and which of its requests this is."""
+
+    data: bytes
+    part: int
+    parts: int
+
+
+def _write_request(
+    transfer_id: int, seq: int, runs: list[Run], tag: _Tag | None, *, gathered: bool = True, placed: bool = False
+) -> WriteRequest:
+    pairs = [(run.remote, run.length) for run in runs]
+    if tag is None:
+        return WriteRequest(transfer_id, seq, pairs, gathered, placed)
+    return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
+
+
+def _nothing() -> None:
+    """Release of a notice with no acknowledgement held (its sender is gone)."""
 
 
 def _carry_out(posts: list[Callable[[], None]]) -> None:

@@ -17,11 +17,22 @@
   ``reconnect`` line on stdin, connects again, writes every block once and prints
   ``{"reconnected": peer_id}``.
 
+``python -m tests.helpers.peer notices REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
+  like ``serve``, and prints ``{"notice": data, "failed": ErrorType or null, "rows": n}`` for
+  every notice of a write it receives, before the write is acknowledged.
+
+``python -m tests.helpers.peer notify REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
+  connects to ADDRESS and writes all its blocks there with 8 writes in flight until killed,
+  each with the notice ``b"%d" % n`` (n = 0, 1, ... in write order).
+
 ``python -m tests.helpers.peer streams REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
   runs a ConnectorService (the config is its ``agent`` section), prints ``{"address": ...}``,
   waits for one sender, then for each :class:`omni_async.workload.Plan` it announces (0, 1, ...)
   receives and verifies every chunk (:func:`omni_async.workload.receive`) and prints
   ``{"verified": ok chunks, "bad": corrupted + reordered + missing}``.
+
+``serve`` and ``notices`` take an optional sixth argument, block lengths separated by commas:
+the agent then serves a region set of that many regions (allocated, REGION_FILE unused).
 
 A REGION_FILE ending in ``.memfd`` is not used: the region is allocated (in a memfd, see
 :mod:`omni_async.memfd`) instead of mapped from the file, and ``serve`` adds the process id
@@ -53,6 +64,7 @@ import numpy as np
 
 from omni_async import Agent, BlockRegion, OmniAsyncError, load_config
 from omni_async.eventloop import run
+from omni_async.region import RegionSet
 
 
 def region_file(path: str, num_blocks: int, block_len: int) -> BlockRegion:
@@ -70,10 +82,16 @@ async def main(argv: list[str]) -> None:
     if role == "streams":
         await streams(path, json.loads(config_json))
         return
-    region = region_file(path, int(num_blocks), int(block_len))
+    region: BlockRegion | RegionSet = region_file(path, int(num_blocks), int(block_len))
+    if role in ("serve", "notices") and len(argv) > 5:
+        region = RegionSet.allocate(int(num_blocks), [int(n) for n in argv[5].split(",")])
     config = load_config(json.loads(config_json), environ={})
     async with Agent(region, config) as agent:
-        if role == "serve":
+        if role == "notices":
+            agent.set_notice_sink(lambda n: say({
+                "notice": n.data.decode(), "rows": len(n.remote_idxs),
+                "failed": type(n.failed).__name__ if n.failed else None}))
+        if role in ("serve", "notices"):
             log = open(path + ".messages", "a")
 
             def sink(peer_id: str, key: str, meta: bytes, frames: list[Any]) -> None:
@@ -85,7 +103,7 @@ async def main(argv: list[str]) -> None:
             agent.add_peer_listener(lambda e: say({
                 "event": e.kind, "peer": e.peer_id, "at": time.monotonic(),
                 "error": type(e.error).__name__ if e.error else None}))
-            segment = region.segment
+            segment = agent.region.segment
             shared = {"pid": os.getpid(), "fd": segment.fd, "token": segment.token} if segment else {}
             say({"address": agent.control_address, "peer_id": agent.peer_id, **shared})
             say({"tls": agent.transport.ucx_config["TLS"]})
@@ -97,6 +115,8 @@ async def main(argv: list[str]) -> None:
             await pump(agent, argv[5])
         elif role == "chat":
             await chat(agent, argv[5])
+        elif role == "notify":
+            await notify(agent, argv[5])
         elif role == "race":
             await race(agent)
 
@@ -132,6 +152,19 @@ async def write(agent: Agent, address: str, first: str = "0", count: str = "", o
             say({"written": len(local)})
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
             return
+
+
+async def notify(agent: Agent, address: str) -> None:
+    peer = await agent.connect(address)
+    say({"connected": peer})
+    blocks = list(range(agent.region.num_blocks))
+    numbers = itertools.count()
+
+    async def writer() -> None:
+        while True:
+            await agent.write_blocks(peer, blocks, blocks, notice=b"%d" % next(numbers))
+
+    await asyncio.gather(*(writer() for _ in range(8)))
 
 
 async def pump(agent: Agent, address: str) -> None:

@@ -40,7 +40,7 @@ class Rogue:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def join(cls, address: str, peer_id: str = "rogue") -> AsyncIterator[Rogue]:
+    async def join(cls, address: str, peer_id: str = "rogue", **hello_fields: Any) -> AsyncIterator[Rogue]:
         lane = Lane(new_context("^cma", "lo"), asyncio.get_running_loop())
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -49,7 +49,7 @@ class Rogue:
         try:
             sock.connect(address)
             hello = Hello(version=1, peer_id=peer_id, nonce=1, agent_metadata=lane.address, base_addr=4096,
-                          num_blocks=64, block_len=4096, fingerprint="")
+                          num_blocks=64, block_len=4096, fingerprint="", **hello_fields)
             await sock.send(encode_control(hello))
             welcome = decode_control(await asyncio.wait_for(sock.recv(), 20))
             assert isinstance(welcome, Welcome), welcome

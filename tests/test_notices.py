@@ -1,0 +1,284 @@
+"""Receiver notices of block writes: the book's rules (no I/O), then real agents on both lanes
+(same-host copy and UCX), a raw peer that gives up or vanishes, and kill -9 of either process."""
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+
+from omni_async import (
+    DeadlineExceeded,
+    InvalidNotice,
+    Notice,
+    PeerLost,
+    ProtocolError,
+    TransferCancelled,
+)
+from omni_async.transport.notices import NoticeBook, NoticeQueue
+from omni_async.wire import HEADER_TAG, MAX_HEADER_BYTES, RUNS_PER_REQUEST, Abort, WriteRequest, encode_header
+
+from .conftest import FAST
+from .helpers.rogue import Rogue
+
+pytestmark = pytest.mark.timeout(60)
+LANES = [pytest.param(True, id="same-host"), pytest.param(False, id="ucx")]
+
+
+# -- the book, no I/O ---------------------------------------------------------------------
+def test_book_notifies_in_write_order_and_holds_only_the_completing_ack():
+    book: NoticeBook[str] = NoticeBook("p", 8)
+    book.seen(1, 0, 1, [(0, 2)], b"one")
+    book.seen(2, 0, 2, [(5, 1)], b"two")
+    book.seen(2, 1, 2, [(9, 2)], b"two")
+    assert book.done(2, None, "ack2a") == (False, [])  # part 0 of 2: its ack goes out now
+    held, ready = book.done(2, None, "ack2b")
+    assert held and ready == []  # complete, but write 1 comes first
+    held, ready = book.done(1, None, "ack1")
+    assert held
+    assert ready == [(Notice("p", (0, 1), b"one"), ["ack1"]), (Notice("p", (5, 9, 10), b"two"), ["ack2b"])]
+    assert len(book) == 0
+
+
+def test_book_abort_fails_with_the_rows_seen_once_they_are_in():
+    book: NoticeBook[str] = NoticeBook("p", 8)
+    book.seen(1, 0, 3, [(4, 2)], b"x")
+    assert book.aborted(1, TransferCancelled("gone")) == []  # part 0 still landing
+    held, ready = book.done(1, None, "ack")
+    assert held and len(ready) == 1
+    notice, acks = ready[0]
+    assert notice.remote_idxs == (4, 5) and isinstance(notice.failed, TransferCancelled) and acks == ["ack"]
+    assert book.aborted(1, TransferCancelled("again")) == []  # unknown now: nothing twice
+
+
+def test_book_lost_fails_everything_pending_in_order_and_bounds_hold():
+    book: NoticeBook[str] = NoticeBook("p", 2)
+    book.seen(7, 0, 1, [(1, 1)], b"a")
+    book.seen(8, 0, 2, [(2, 1)], b"b")
+    with pytest.raises(ProtocolError):
+        book.seen(9, 0, 1, [(3, 1)], b"c")  # over the bound
+    with pytest.raises(ProtocolError):
+        book.seen(8, 1, 2, [(3, 1)], b"other data")  # contradicts part 0
+    with pytest.raises(ProtocolError):
+        book.seen(10, 2, 2, [(3, 1)], b"c")
+    lost = book.lost(PeerLost("bye"))
+    assert [(n.remote_idxs, n.data, type(n.failed)) for n in lost] == [((1,), b"a", PeerLost), ((2,), b"b", PeerLost)]
+    assert len(book) == 0
+
+
+async def test_queue_full_holds_releases_in_order_and_drops_nothing():
+    queue = NoticeQueue(2)
+    released = []
+    for i in range(5):
+        queue.offer(Notice("p", (i,), b"%d" % i), lambda i=i: released.append(i))
+    assert released == [0, 1] and len(queue) == 2 and queue.waiting == 3
+    got = []
+    async for notice in queue:
+        got.append(notice.remote_idxs[0])
+        if len(got) == 5:
+            break
+    assert got == [0, 1, 2, 3, 4] and released == [0, 1, 2, 3, 4]
+
+
+def test_worst_case_write_request_with_a_notice_fits_a_header():
+    big = (1 << 63) - 1
+    req = WriteRequest(big, big, [(big, big)] * RUNS_PER_REQUEST, False, True, b"\xff" * 4096, big, big)
+    assert len(encode_header(req)) <= MAX_HEADER_BYTES
+
+
+# -- two agents, both lanes -----------------------------------------------------------------
+def fill(agent, seed=1):
+    agent.region.array[:] = np.random.default_rng(seed).integers(0, 256, agent.region.array.shape, dtype=np.uint8)
+
+
+async def pair(make_agent, same_host, rx=None, tx=None):
+    a = await make_agent(peer_id="a", same_host_lane=same_host, **(tx or {}))
+    b = await make_agent(peer_id="b", same_host_lane=same_host, **(rx or {}))
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    assert a.transport.peer("b").max_notice_bytes == b.config.max_notice_bytes  # announced
+    return a, b
+
+
+@pytest.mark.parametrize("same_host", LANES)
+async def test_notice_is_queued_with_the_rows_in_place_before_the_sender_returns(make_agent, same_host):
+    a, b = await pair(make_agent, same_host)
+    fill(a)
+    local, remote = [5, 6, 7, 30, 2], [10, 11, 12, 1, 40]
+    seen = []
+    b.set_notice_sink(lambda n: seen.append((n, b.region.array[list(n.remote_idxs)].copy())))
+    await asyncio.wait_for(a.write_blocks("b", local, remote, notice=b"req-1"), 5)
+    assert len(seen) == 1  # before the await returned, with every row in place
+    notice, rows = seen[0]
+    assert notice == Notice("a", tuple(remote), b"req-1")
+    assert np.array_equal(rows, a.region.array[local])
+    await asyncio.wait_for(a.write_blocks("b", [0], [0]), 5)  # no notice asked: none given
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("same_host", LANES)
+async def test_notices_come_in_write_order_and_split_writes_yield_one(make_agent, same_host):
+    a, b = await pair(make_agent, same_host, rx={"max_write_blocks": 4})
+    fill(a)
+    writes = [a.write_blocks("b", list(range(20)), list(range(63, 43, -1)), notice=b"split")]
+    writes += [a.write_blocks("b", [i], [i], notice=b"%d" % i) for i in range(40)]
+    await asyncio.wait_for(asyncio.gather(*writes), 10)
+    got = []
+    async with asyncio.timeout(5):
+        async for notice in b.notices():
+            got.append(notice)
+            if len(got) == 41:
+                break
+    assert got[0] == Notice("a", tuple(range(63, 43, -1)), b"split")  # one notice, every row, in order
+    assert [n.data for n in got[1:]] == [b"%d" % i for i in range(40)]
+    assert b.transport.notices.get_nowait() is None  # nothing more, nothing twice
+
+
+@pytest.mark.parametrize("same_host", LANES)
+async def test_full_queue_holds_the_senders_writes_until_read(make_agent, same_host):
+    a, b = await pair(make_agent, same_host, rx={"notice_queue": 2})
+    writes = [a.write_blocks("b", [i], [i], notice=b"%d" % i) for i in range(6)]
+    await asyncio.wait_for(asyncio.gather(*writes[:2]), 5)
+    await asyncio.sleep(0.3)
+    assert not any(w.done() for w in writes[2:])  # back-pressure: unacknowledged
+    assert len(b.transport.notices) == 2 and b.transport.notices.waiting == 4
+    got = []
+    async with asyncio.timeout(5):
+        async for notice in b.notices():
+            got.append(notice.data)
+            if len(got) == 6:
+                break
+    await asyncio.wait_for(asyncio.gather(*writes), 5)
+    assert got == [b"%d" % i for i in range(6)]
+
+
+async def test_notice_over_the_receivers_limit_fails_locally_and_keeps_the_peer(make_agent):
+    a, b = await pair(make_agent, False, rx={"max_notice_bytes": 16})
+    with pytest.raises(InvalidNotice):
+        a.write_blocks("b", [0], [0], notice=b"x" * 17)
+    with pytest.raises(TypeError):
+        a.write_blocks("b", [0], [0], notice="text")  # type: ignore[arg-type]
+    assert a.transport.in_flight() == []
+    await asyncio.wait_for(a.write_blocks("b", [0], [0], notice=b"x" * 16), 5)
+    c = await make_agent(peer_id="c", max_notice_bytes=0)
+    await asyncio.wait_for(a.connect(c.control_address), 5)
+    with pytest.raises(InvalidNotice, match="takes no notices"):
+        a.write_blocks("c", [0], [0], notice=b"")
+
+
+@pytest.mark.parametrize("same_host", LANES)
+async def test_cancelled_or_expired_write_yields_exactly_one_notice(make_agent, same_host):
+    """Given up right after it was posted, a write may still land: the receiver gets exactly
+    one notice for it, a success or a failure naming the reason, never none or two."""
+    a, b = await pair(make_agent, same_host, rx={"notice_queue": 1})
+    rows = list(range(64))
+    cancelled = a.write_blocks("b", rows, rows, notice=b"cancel")
+    a.cancel([cancelled.id])
+    with pytest.raises(TransferCancelled):
+        await cancelled
+    got = []
+    async with asyncio.timeout(5):
+        async for notice in b.notices():
+            got.append(notice)
+            break
+    assert got[0].data == b"cancel" and (got[0].failed is None or isinstance(got[0].failed, TransferCancelled))
+    await asyncio.sleep(0.2)
+    assert b.transport.notices.get_nowait() is None
+
+
+async def test_abort_after_part_of_a_write_yields_a_failed_notice_with_its_rows(make_agent):
+    b = await make_agent(peer_id="b")
+    async with Rogue.join(b.control_address) as rogue:
+        await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+        rogue.send(encode_header(WriteRequest(9, 0, [(3, 2)], placed=True, notice=b"n", part=0, parts=2)), HEADER_TAG)
+        rogue.send(encode_header(Abort(9, DeadlineExceeded.code, "too slow")), HEADER_TAG)
+        async with asyncio.timeout(5):
+            notice = await anext(b.notices())
+        assert notice.remote_idxs == (3, 4) and notice.data == b"n"
+        assert isinstance(notice.failed, DeadlineExceeded) and "too slow" in str(notice.failed)
+        # a write the rogue leaves unfinished fails with PeerLost once it is gone
+        rogue.send(encode_header(WriteRequest(10, 0, [(7, 1)], placed=True, notice=b"m", part=0, parts=2)), HEADER_TAG)
+        await asyncio.sleep(0.2)
+    started = time.monotonic()
+    async with asyncio.timeout(5):
+        notice = await anext(b.notices())
+    assert notice.remote_idxs == (7,) and isinstance(notice.failed, PeerLost)
+    assert time.monotonic() - started < FAST["heartbeat_timeout"] + 1.0
+
+
+async def test_notice_over_the_announced_limit_is_a_protocol_violation(make_agent):
+    b = await make_agent(peer_id="b", max_notice_bytes=4)
+    async with Rogue.join(b.control_address) as rogue:
+        await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+        rogue.send(encode_header(WriteRequest(1, 0, [(0, 1)], placed=True, notice=b"12345")), HEADER_TAG)
+        async with asyncio.timeout(5):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.02)
+    assert b.transport.notices.get_nowait() is None
+
+
+# -- two processes, kill -9 ---------------------------------------------------------------
+NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("same_host", LANES)
+async def test_sender_killed_every_seen_write_notified_exactly_once(make_agent, spawn_peer, tmp_path, same_host):
+    b = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", same_host_lane=same_host)
+    got: list[Notice] = []
+    b.set_notice_sink(got.append)
+    sender = await spawn_peer("notify", str(tmp_path / "tx"), NUM_BLOCKS, BLOCK_LEN,
+                              {"peer_id": "tx", "same_host_lane": same_host}, b.control_address)
+    async with asyncio.timeout(20):
+        while len(got) < 20:
+            await asyncio.sleep(0.01)
+    sender.kill()
+    killed = time.monotonic()
+    async with asyncio.timeout(10):
+        while "tx" in b.peers:
+            await asyncio.sleep(0.01)
+    assert time.monotonic() - killed < FAST["heartbeat_timeout"] + 2.0
+    await asyncio.sleep(0.1)
+    numbers = [int(n.data) for n in got]
+    assert numbers == list(range(len(numbers)))  # every write seen, once, in order: none lost
+    assert all(n.failed is None or isinstance(n.failed, PeerLost) for n in got)
+    assert all(n.remote_idxs == tuple(range(NUM_BLOCKS)) for n in got if n.failed is None)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("same_host", LANES)
+async def test_receiver_restart_no_notice_lost_or_duplicated(make_agent, spawn_peer, tmp_path, same_host):
+    path = str(tmp_path / "region.memfd")
+    a = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", same_host_lane=same_host)
+    config = {"peer_id": "rx", "same_host_lane": same_host}
+    acked: list[list[int]] = [[], []]
+    for life in range(2):
+        rx = await spawn_peer("notices", path, NUM_BLOCKS, BLOCK_LEN, config)
+        await asyncio.wait_for(a.connect(rx.info["address"]), 10)
+        base = life * 1000
+
+        async def writer(k, rx=rx, base=base, life=life):
+            for i in range(base + k, base + 1000, 4):
+                try:
+                    await a.write_blocks("rx", [i % NUM_BLOCKS], [i % NUM_BLOCKS], notice=b"%d" % i)
+                except PeerLost:
+                    return
+                acked[life].append(i)
+
+        tasks = [asyncio.create_task(writer(k)) for k in range(4)]
+        if life == 0:
+            await asyncio.sleep(0.5)
+            rx.kill()
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+            await asyncio.wait_for(rx.proc.wait(), 10)
+        else:
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            assert await rx.stop() == 0
+        assert rx.proc.stdout is not None
+        lines = [json.loads(line) for line in (await rx.proc.stdout.read()).splitlines()]
+        numbers = [int(line["notice"]) for line in lines if "notice" in line and line["failed"] is None]
+        assert len(numbers) == len(set(numbers))  # none twice
+        assert set(acked[life]) <= set(numbers)  # every acknowledged write was notified in this life
+        assert all(base <= n < base + 1000 for n in numbers)  # nothing of the other life
+    assert len(acked[1]) == 1000 and acked[0]

@@ -1,0 +1,134 @@
+"""Pull reads (``read_blocks``): both lanes, refusal before any I/O, splitting, cancel modes,
+and kill -9 of the source process mid-read."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from omni_async import DeadlineExceeded, InvalidBlocks, PeerLost, ReadsNotAllowed, TransferCancelled
+from omni_async.wire import HEADER_TAG, MAX_HEADER_BYTES, READ_RUNS_PER_REQUEST, ReadRequest, encode_header
+
+from .conftest import FAST
+from .helpers.rogue import Rogue
+
+pytestmark = pytest.mark.timeout(60)
+LANES = [pytest.param(True, id="same-host"), pytest.param(False, id="ucx")]
+
+
+def fill(agent, seed=1):
+    agent.region.array[:] = np.random.default_rng(seed).integers(0, 256, agent.region.array.shape, dtype=np.uint8)
+
+
+async def pair(make_agent, same_host, num_blocks=64, block_len=4096, rx=None, src=None):
+    a = await make_agent(num_blocks, block_len, peer_id="a", same_host_lane=same_host, **(rx or {}))
+    b = await make_agent(num_blocks, block_len, peer_id="b", same_host_lane=same_host,
+                         **{"allow_reads": True, **(src or {})})
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    return a, b
+
+
+def test_worst_case_read_request_fits_a_header():
+    big = (1 << 63) - 1
+    assert len(encode_header(ReadRequest(big, [(big, big, big)] * READ_RUNS_PER_REQUEST))) <= MAX_HEADER_BYTES
+
+
+@pytest.mark.parametrize("same_host", LANES)
+async def test_read_copies_the_peers_rows_into_ours_and_nothing_else(make_agent, same_host):
+    a, b = await pair(make_agent, same_host)
+    fill(b, 3)
+    remote, local = [5, 6, 7, 30, 2, 63], [10, 11, 12, 1, 40, 0]
+    read = a.read_blocks("b", remote, local)
+    assert read.done() == same_host  # same host: copied from the mapped region at once
+    await asyncio.wait_for(read, 5)
+    assert np.array_equal(a.region.array[local], b.region.array[remote])
+    assert not a.region.array[sorted(set(range(64)) - set(local))].any()
+    assert a.peers["b"].allow_reads and not b.peers["a"].allow_reads  # announced at the handshake
+
+
+async def test_read_of_a_peer_that_does_not_allow_it_fails_before_any_io(make_agent):
+    a, b = await pair(make_agent, False, src={"allow_reads": False})
+    fill(b)
+    with pytest.raises(ReadsNotAllowed):
+        a.read_blocks("b", [0], [0])
+    assert a.transport.in_flight() == [] and a.stats()["in_flight"] == 0
+    # A peer that asks anyway (bypassing its own check) is refused, and nothing is written.
+    link = a.transport._links["b"]
+    link.lane.send(encode_header(ReadRequest(1 << 40, [(0, 0, 64)])), HEADER_TAG, lambda _e: None)
+    async with asyncio.timeout(5):
+        while not b.stats().get("received.blocks.reads_not_allowed"):
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    assert not a.region.array.any() and "b" in a.peers
+
+
+async def test_invalid_indices_raise_before_any_io(make_agent):
+    a, _ = await pair(make_agent, False)
+    with pytest.raises(InvalidBlocks):
+        a.read_blocks("b", [64], [0])
+    with pytest.raises(InvalidBlocks):
+        a.read_blocks("b", [0, 1], [0])
+    assert a.transport.in_flight() == []
+
+
+async def test_large_scattered_read_is_split_both_ways(make_agent):
+    """More runs than one ReadRequest carries, answered by a write split to the reader's
+    max_write_blocks: one transfer, every row."""
+    a, b = await pair(make_agent, False, num_blocks=8192, block_len=64, rx={"max_write_blocks": 500})
+    fill(b, 5)
+    remote = list(range(0, 8192, 2))  # 4096 runs
+    local = list(range(1, 8192, 2))
+    await asyncio.wait_for(a.read_blocks("b", remote, local), 20)
+    assert np.array_equal(a.region.array[local], b.region.array[remote])
+    assert not a.region.array[0::2].any()
+
+
+async def test_read_cancel_modes(make_agent):
+    a, b = await pair(make_agent, False)
+    fill(b, 9)
+    rows = list(range(64))
+    now = a.read_blocks("b", rows, rows)
+    assert a.cancel([now.id], "immediate") == []
+    with pytest.raises(TransferCancelled):
+        await now
+    later = a.read_blocks("b", rows, rows)
+    assert a.cancel([later.id], "wait") == [later.id]
+    with pytest.raises(TransferCancelled):
+        await asyncio.wait_for(later, 5)
+    assert np.array_equal(a.region.array, b.region.array)  # "wait": the peer's write landed
+
+
+async def test_read_deadline(make_agent):
+    """A source that never answers: the read fails with DeadlineExceeded, as a write would."""
+    a = await make_agent(peer_id="a", transfer_timeout=0.3)
+    async with Rogue.join(a.control_address, allow_reads=True):
+        await asyncio.wait_for(a.wait_for_peer("rogue"), 5)
+        read = a.read_blocks("rogue", [0, 1], [0, 1])
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(read, 5)
+    assert not a.region.array.any()
+
+
+NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024
+
+
+@pytest.mark.timeout(90)
+async def test_source_killed_mid_read_fails_awaiters_in_time_and_spares_other_rows(make_agent, spawn_peer, tmp_path):
+    src = await spawn_peer("serve", str(tmp_path / "region"), NUM_BLOCKS, BLOCK_LEN,
+                           {"peer_id": "src", "allow_reads": True, "ucx_tls": "tcp"})
+    a = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", same_host_lane=False, ucx_tls="tcp")
+    a.region.array[32:] = 7  # not read into: must stay as it is
+    await asyncio.wait_for(a.connect(src.info["address"]), 10)
+    half = list(range(32))
+    await asyncio.wait_for(a.read_blocks("src", half, half), 10)
+    reads = [a.read_blocks("src", half, half) for _ in range(128)]  # 256 MiB asked for
+    src.kill()
+    killed = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*reads, return_exceptions=True), 15)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert failures, "the kill came too late to catch a read in flight"
+    assert all(isinstance(r, PeerLost) for r in failures), {type(r) for r in failures}
+    assert time.monotonic() - killed < FAST["heartbeat_timeout"] + 2.0
+    assert (a.region.array[32:] == 7).all()
