@@ -224,7 +224,7 @@ class Goodbye(_Msg, tag="g", frozen=True):
     peer leaves in order, and close the lane once they have the other's and nothing is pending."""
 
 
-class RingOffer(_Msg, tag="r", frozen=True):
+class RingOffer(_Msg, tag="ring", frozen=True):
     """A peer on this host offers a ring for the headers this side sends it (see
     :mod:`omni_async.transport.samehost`): the sealed memfd ``fd`` of process ``pid`` named by
     ``token`` holds a ring of ``capacity`` data bytes; ``wake_fd`` is the write end of the pipe
