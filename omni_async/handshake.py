@@ -72,23 +72,8 @@ class LocalIdentity:
         return self._describe(Welcome, agent_metadata)
 
     def _describe(self, kind: type[H], agent_metadata: bytes) -> H:
-        return kind(
-            version=PROTOCOL_VERSION,
-            peer_id=self.peer_id,
-            nonce=self.nonce,
-            agent_metadata=agent_metadata,
-            base_addr=self.base_addr,
-            num_blocks=self.num_blocks,
-            block_len=self.block_len,
-            fingerprint=self.fingerprint,
-            host_id=self.host_id,
-            max_write_blocks=self.max_write_blocks,
-            max_message_bytes=self.max_message_bytes,
-            region_share=self.region_share,
-            max_notice_bytes=self.max_notice_bytes,
-            allow_reads=self.allow_reads,
-            layers=list(self.layers),
-        )
+        said = {name: getattr(self, name) for name in _SAID}
+        return kind(version=PROTOCOL_VERSION, agent_metadata=agent_metadata, **said, layers=list(self.layers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,22 +115,12 @@ class PeerInfo:
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
-        return cls(
-            peer_id=msg.peer_id,
-            nonce=msg.nonce,
-            agent_metadata=msg.agent_metadata,
-            base_addr=msg.base_addr,
-            num_blocks=msg.num_blocks,
-            block_len=msg.block_len,
-            fingerprint=msg.fingerprint,
-            host_id=msg.host_id,
-            max_write_blocks=msg.max_write_blocks,
-            max_message_bytes=msg.max_message_bytes,
-            region_share=msg.region_share,
-            max_notice_bytes=msg.max_notice_bytes,
-            allow_reads=msg.allow_reads,
-            layers=tuple(msg.layers),
-        )
+        said = {name: getattr(msg, name) for name in _SAID}
+        return cls(agent_metadata=msg.agent_metadata, **said, layers=tuple(msg.layers))
+
+
+_SAID = tuple(name for name in LocalIdentity.__dataclass_fields__ if name != "layers")
+"""What a side says about itself in its Hello or Welcome, besides its lane address and layers."""
 
 
 def machine_id() -> str:
