@@ -1,5 +1,6 @@
 """``python -m bench <command>``: ``blocks`` (block writes vs memcpy and NIXL), ``chunks``
-(chunk streams through the adapter vs memcpy), ``idle`` (CPU of an idle connected pair).
+(chunk streams through the adapter vs memcpy), ``layers`` (a region set vs NIXL), ``idle`` (CPU
+of an idle connected pair), ``profile`` (per-function cost of one small transfer).
 
 ``--json`` prints one JSON object on stdout (the table then goes to stderr).  ``--plot FILE``
 (blocks, chunks) also draws the run as grouped bars (:mod:`bench.plot`; needs the ``bench``
@@ -45,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     layers.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     layers.add_argument("--quick", action="store_true", help="few iterations: a smoke run")
     layers.add_argument("--no-nixl", action="store_true", help="skip NIXL (reported as unavailable)")
+    profile = sub.add_parser("profile", help="per-function cost of one small transfer (cProfile, both sides)")
+    profile.add_argument("--kind", choices=["a", "message"], default="a")
+    profile.add_argument("--writes", type=int, default=2000)
+    profile.add_argument("--top", type=int, default=25)
+    profile.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
     idle.add_argument("--seconds", type=float, default=10.0)
     idle.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -96,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(run_layers(args.quick, nixl=not args.no_nixl))
         _emit(result, layers_table(result), args.json)
+    elif args.command == "profile":
+        from .profile import run_profile
+        from .profile import table as profile_table
+
+        result = run(run_profile(args.kind, args.writes, args.top))
+        _emit(result, profile_table(result), args.json)
     elif args.command == "idle":
         from .idle import run_idle, table
 

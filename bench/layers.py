@@ -30,7 +30,7 @@ from omni_async.region import RegionSet
 from omni_async.transport.shared import MappedRegion
 from omni_async.wire import RegionShare
 
-from .memcpy import time_memcpy
+from .memcpy import time_copies
 from .modes import SHM, TCP, Mode
 from .nixl_side import NixlSide
 from .procs import ChildError, Children
@@ -114,7 +114,7 @@ async def run_layers(quick: bool = False, nixl: bool = True) -> dict[str, Any]:
         src_rows = src.rows(BLOCK_LEN)
         for mode in (SHM, TCP):
             async with Children() as children:
-                memcpy = time_memcpy(src_rows, dst_memcpy.rows(BLOCK_LEN), flat_local, flat_remote, iters, warmup)
+                memcpy = time_copies(src_rows, dst_memcpy.rows(BLOCK_LEN), flat_local, flat_remote, iters, warmup)
                 omni = await _time_omni(children, src_rows, mode, local, remote, iters, warmup)
                 nixl_samples = None
                 side = NixlSide(mode)

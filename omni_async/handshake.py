@@ -40,9 +40,11 @@ H = TypeVar("H", bound=Hello)
 
 
 @dataclass(frozen=True, slots=True)
-class LocalIdentity:
-    """This side's description: who it is, the layout of its block region and its receive
-    limits (a peer's sender keeps every request within them)."""
+class Description:
+    """What a side says about itself in its Hello or Welcome: who it is (``peer_id``, this
+    incarnation's ``nonce``, ``host_id``), the layout of its block region (and of the other
+    regions of its set, ``layers``), its config ``fingerprint``, and its receive limits (a
+    peer's sender keeps every request within them)."""
 
     peer_id: str
     base_addr: int
@@ -52,12 +54,27 @@ class LocalIdentity:
     nonce: int = 0
     host_id: str = ""
     max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
+    """Most blocks the side accepts in one write request."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest chunk message the side accepts."""
     region_share: RegionShare | None = None
+    """The same-host lane the side offers (None: UCX only)."""
     max_notice_bytes: int = 0
+    """Largest notice the side takes on a write (0: none)."""
     allow_reads: bool = False
+    """The side lets peers read its region."""
     layers: tuple[Layer, ...] = ()
     """The other regions of a region set (see :class:`~omni_async.wire.Layer`)."""
+
+    @property
+    def block_lens(self) -> tuple[int, ...]:
+        """Block length of each region of the set, the first one first."""
+        return (self.block_len, *(layer.block_len for layer in self.layers))
+
+
+@dataclass(frozen=True, slots=True)
+class LocalIdentity(Description):
+    """This side's description; a fresh one draws its incarnation's nonce."""
 
     def __post_init__(self) -> None:
         if not self.nonce:
@@ -72,53 +89,16 @@ class LocalIdentity:
         return self._describe(Welcome, agent_metadata)
 
     def _describe(self, kind: type[H], agent_metadata: bytes) -> H:
-        return kind(
-            version=PROTOCOL_VERSION,
-            peer_id=self.peer_id,
-            nonce=self.nonce,
-            agent_metadata=agent_metadata,
-            base_addr=self.base_addr,
-            num_blocks=self.num_blocks,
-            block_len=self.block_len,
-            fingerprint=self.fingerprint,
-            host_id=self.host_id,
-            max_write_blocks=self.max_write_blocks,
-            max_message_bytes=self.max_message_bytes,
-            region_share=self.region_share,
-            max_notice_bytes=self.max_notice_bytes,
-            allow_reads=self.allow_reads,
-            layers=list(self.layers),
-        )
+        said = {name: getattr(self, name) for name in _SAID}
+        return kind(version=PROTOCOL_VERSION, agent_metadata=agent_metadata, **said, layers=list(self.layers))
 
 
 @dataclass(frozen=True, slots=True)
-class PeerInfo:
+class PeerInfo(Description):
     """What a successful handshake taught us about a peer."""
 
-    peer_id: str
-    nonce: int
-    agent_metadata: bytes
-    base_addr: int
-    num_blocks: int
-    block_len: int
-    fingerprint: str
-    host_id: str = ""
-    max_write_blocks: int = DEFAULT_MAX_WRITE_BLOCKS
-    """Most blocks the peer accepts in one write request."""
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest chunk message the peer accepts."""
-    region_share: RegionShare | None = None
-    max_notice_bytes: int = 0
-    """Largest notice the peer takes on a write (0: none)."""
-    allow_reads: bool = False
-    """The peer lets us read its region."""
-    layers: tuple[Layer, ...] = ()
-    """The other regions of the peer's region set."""
-
-    @property
-    def block_lens(self) -> tuple[int, ...]:
-        """Block length of each region of the peer's set, the first one first."""
-        return (self.block_len, *(layer.block_len for layer in self.layers))
+    agent_metadata: bytes = b""
+    """The address of the UCX lane the peer opened for us."""
 
     def layer(self, index: int) -> PeerInfo:
         """The peer as if region ``index`` of its set were its only one."""
@@ -130,22 +110,12 @@ class PeerInfo:
 
     @classmethod
     def from_hello(cls, msg: Hello) -> PeerInfo:
-        return cls(
-            peer_id=msg.peer_id,
-            nonce=msg.nonce,
-            agent_metadata=msg.agent_metadata,
-            base_addr=msg.base_addr,
-            num_blocks=msg.num_blocks,
-            block_len=msg.block_len,
-            fingerprint=msg.fingerprint,
-            host_id=msg.host_id,
-            max_write_blocks=msg.max_write_blocks,
-            max_message_bytes=msg.max_message_bytes,
-            region_share=msg.region_share,
-            max_notice_bytes=msg.max_notice_bytes,
-            allow_reads=msg.allow_reads,
-            layers=tuple(msg.layers),
-        )
+        said = {name: getattr(msg, name) for name in _SAID}
+        return cls(agent_metadata=msg.agent_metadata, **said, layers=tuple(msg.layers))
+
+
+_SAID = tuple(name for name in Description.__dataclass_fields__ if name != "layers")
+"""What a side says about itself in its Hello or Welcome, besides its lane address and layers."""
 
 
 def machine_id() -> str:

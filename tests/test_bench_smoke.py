@@ -118,3 +118,15 @@ def test_layers_quick_reports_a_region_set_beside_nixl() -> None:
         assert row["bytes"] == 64 * 32 * 16 * 1024 and row["omni_async"]["gbps"] > 0
         nixl = report["nixl"][row["mode"]]
         assert (ratio["vs_nixl"] is not None and ratio["vs_nixl"] > 0) == nixl["available"], (name, nixl)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["a", "message"])
+def test_profile_reports_per_transfer_costs(kind: str) -> None:
+    report = bench("profile", "--kind", kind, "--writes", "50", "--top", "5", timeout=50)
+    assert report["kind"] == kind and report["transfers"] == 50
+    assert report["p50_us_unprofiled"] > 0
+    rows = report["functions"]
+    assert len(rows) == 5 and all(row["calls_per_transfer"] > 0 for row in rows)
+    # sorted by own time, the costliest first
+    assert [row["own_us_per_transfer"] for row in rows] == sorted((row["own_us_per_transfer"] for row in rows), reverse=True)

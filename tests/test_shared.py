@@ -66,7 +66,8 @@ def share_of(segment: SharedSegment, **changes):
 
 
 def peer_info(share, host_id="h", num_blocks=4, block_len=4096, base_addr=0):
-    return PeerInfo("p", 1, b"", base_addr, num_blocks, block_len, "", host_id=host_id, region_share=share)
+    return PeerInfo(peer_id="p", nonce=1, base_addr=base_addr, num_blocks=num_blocks, block_len=block_len,
+                    fingerprint="", host_id=host_id, region_share=share)
 
 
 def seal_free_memfd(token: str, size: int) -> int:
