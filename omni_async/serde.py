@@ -37,6 +37,7 @@ ALLOWED_DTYPES: Final = frozenset(
         "float16", "float32", "float64", "complex64", "complex128",
     )
 )
+_DTYPES: Final = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 
 _ArraySpec = tuple[str, list[int]]  # dtype.str, shape
 _encoder = msgspec.msgpack.Encoder()
@@ -65,9 +66,20 @@ def encode(payload: Payload) -> tuple[bytes, list[Any]]:
         raise TypeError(f"a payload value cannot travel: {exc}") from None
 
 
+_SCALARS: Final = frozenset({type(None), bool, int, float, str})
+"""Types that travel as they are (exact types: a subclass takes the slower checks below)."""
+
+
 def _encode_value(value: Any, frames: list[Any], specs: list[_ArraySpec], depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise ValueError(f"payload nesting exceeds {MAX_DEPTH} levels")
+    kind = type(value)
+    if kind in _SCALARS:  # the common cases first, by exact type (an isinstance chain costs more)
+        return value
+    if kind is np.ndarray:
+        return _encode_array(value, frames, specs)
+    if kind is dict:
+        return _encode_mapping(value, frames, specs, depth)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, np.ndarray):
@@ -78,14 +90,9 @@ def _encode_value(value: Any, frames: list[Any], specs: list[_ArraySpec], depth:
             raise TypeError("a memoryview in a payload must be C-contiguous")
         frames.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
         specs.append(("", []))
-        return msgspec.msgpack.Ext(_EXT_BYTES, (len(frames) - 1).to_bytes(4, "little"))
+        return _frame_ref(_EXT_BYTES, len(frames) - 1)
     if isinstance(value, Mapping):
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"payload keys must be str, got {type(key).__name__}")
-            out[key] = _encode_value(item, frames, specs, depth + 1)
-        return out
+        return _encode_mapping(value, frames, specs, depth)
     if isinstance(value, (list, tuple)):
         return [_encode_value(item, frames, specs, depth + 1) for item in value]
     if isinstance(value, np.generic):
@@ -93,15 +100,39 @@ def _encode_value(value: Any, frames: list[Any], specs: list[_ArraySpec], depth:
     raise TypeError(f"cannot send a {type(value).__name__} in a payload")
 
 
+def _encode_mapping(value: Mapping[Any, Any], frames: list[Any], specs: list[_ArraySpec], depth: int) -> Any:
+    out = {}
+    for key, item in value.items():
+        if type(key) is not str and not isinstance(key, str):
+            raise TypeError(f"payload keys must be str, got {type(key).__name__}")
+        out[key] = _encode_value(item, frames, specs, depth + 1)
+    return out
+
+
 def _encode_array(array: npt.NDArray[Any], frames: list[Any], specs: list[_ArraySpec]) -> Any:
-    wire_dtype = array.dtype.newbyteorder("<")
-    if wire_dtype.str not in ALLOWED_DTYPES:
-        raise TypeError(f"dtype {array.dtype} cannot travel (allowed: {sorted(ALLOWED_DTYPES)})")
     shape = list(array.shape)  # before ascontiguousarray, which turns 0-d arrays into 1-d
-    array = np.ascontiguousarray(array, dtype=wire_dtype)  # copies only if layout or byte order differ
+    wire = array.dtype.str
+    if wire not in ALLOWED_DTYPES or not array.flags.c_contiguous:  # else already as it travels
+        wire_dtype = array.dtype.newbyteorder("<")
+        wire = wire_dtype.str
+        if wire not in ALLOWED_DTYPES:
+            raise TypeError(f"dtype {array.dtype} cannot travel (allowed: {sorted(ALLOWED_DTYPES)})")
+        array = np.ascontiguousarray(array, dtype=wire_dtype)  # copies: layout or byte order differ
     frames.append(array.reshape(-1).view(np.uint8))
-    specs.append((wire_dtype.str, shape))
-    return msgspec.msgpack.Ext(_EXT_ARRAY, (len(frames) - 1).to_bytes(4, "little"))
+    specs.append((wire, shape))
+    return _frame_ref(_EXT_ARRAY, len(frames) - 1)
+
+
+_REFS: Final = {
+    kind: [msgspec.msgpack.Ext(kind, index.to_bytes(4, "little")) for index in range(64)]
+    for kind in (_EXT_ARRAY, _EXT_BYTES)
+}
+"""The header's references to the first frames, built once (Ext objects are immutable)."""
+
+
+def _frame_ref(kind: int, index: int) -> msgspec.msgpack.Ext:
+    refs = _REFS[kind]
+    return refs[index] if index < len(refs) else msgspec.msgpack.Ext(kind, index.to_bytes(4, "little"))
 
 
 def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, Any]:
@@ -144,13 +175,15 @@ def _decode_frame(spec: tuple[str, list[int]], frame: npt.NDArray[np.uint8]) -> 
         if shape:
             raise ProtocolError("a byte-string frame has no shape")
         return frame.tobytes()
-    if dtype_str not in ALLOWED_DTYPES:
+    dtype = _DTYPES.get(dtype_str)
+    if dtype is None:
         raise ProtocolError(f"dtype {dtype_str!r} is not allowed")
-    if len(shape) > MAX_NDIM or any(type(n) is not int or n < 0 for n in shape):
+    if len(shape) > MAX_NDIM:
         raise ProtocolError(f"invalid array shape {shape!r}")
-    dtype = np.dtype(dtype_str)
     count = 1
     for n in shape:
+        if type(n) is not int or n < 0:
+            raise ProtocolError(f"invalid array shape {shape!r}")
         count *= n
     if count * dtype.itemsize != frame.nbytes:
         raise ProtocolError(
@@ -169,21 +202,22 @@ def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any
         raise ProtocolError(f"payload has more than {MAX_NODES} values")
     if depth > MAX_DEPTH:
         raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
-    if node is None or isinstance(node, (bool, int, float, str)):
+    kind = type(node)  # the decoder makes exact types only: no isinstance needed
+    if kind in _SCALARS:
         return node
-    if isinstance(node, _Ref):
+    if kind is _Ref:
         if node.index >= len(values):
             raise ProtocolError(f"payload refers to frame {node.index} of {len(values)}")
         value = values[node.index]
-        if (node.kind == _EXT_BYTES) != isinstance(value, bytes):
+        if (node.kind == _EXT_BYTES) != (type(value) is bytes):
             raise ProtocolError(f"frame {node.index} is referred to as the wrong kind")
         return value
-    if isinstance(node, list):
+    if kind is list:
         return [_resolve(item, values, depth + 1, budget) for item in node]
-    if isinstance(node, dict):
+    if kind is dict:
         out = {}
         for key, item in node.items():
-            if not isinstance(key, str):
+            if type(key) is not str:
                 raise ProtocolError(f"payload keys must be str, got {type(key).__name__}")
             out[key] = _resolve(item, values, depth + 1, budget)
         return out

@@ -61,6 +61,28 @@ def test_non_contiguous_and_big_endian_are_normalised():
     assert out.dtype == np.dtype("<i4") and np.array_equal(out, array)
 
 
+
+def test_many_frames_and_subclassed_values_travel():
+    """Past the codec's prebuilt frame references (64) and through its slower, non-exact-type
+    checks (subclasses of dict and int; a big-endian contiguous array) the payload still
+    round-trips."""
+    from collections import OrderedDict
+    from enum import IntEnum
+
+    class Level(IntEnum):
+        HIGH = 7
+
+    payload = {f"b{i}": bytes([i]) * 3 for i in range(70)}
+    payload.update({f"a{i}": np.full(2, i, np.int16) for i in range(70)})
+    payload["nested"] = OrderedDict(level=Level.HIGH, big=np.arange(3, dtype=">f8"))
+    header, frames = serde.encode(payload)
+    assert len(frames) == 141
+    out = travel(payload)
+    assert [out[f"b{i}"] for i in range(70)] == [bytes([i]) * 3 for i in range(70)]
+    assert all(np.array_equal(out[f"a{i}"], np.full(2, i, np.int16)) for i in range(70))
+    assert out["nested"]["level"] == 7
+    assert out["nested"]["big"].dtype == np.dtype("<f8") and np.array_equal(out["nested"]["big"], [0.0, 1.0, 2.0])
+
 @pytest.mark.parametrize("bad", [{"x": object()}, {1: 2}, {"x": np.array([object()])}, {"x": {3: 1}}, [1],
                                  {"x": 2**70}, {"x": [-(2**64)]}])
 def test_encode_refuses(bad):
