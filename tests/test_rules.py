@@ -184,6 +184,26 @@ async def _await(transfer):
     await transfer
 
 
+async def test_cancelling_one_awaiter_leaves_the_transfer_and_its_other_awaiters():
+    """Each ``await`` has its own future: a cancelled (or timed-out) awaiter neither settles
+    the transfer nor disturbs another awaiter, which still gets the outcome; the transfer
+    keeps no future of a cancelled awaiter."""
+    transfer = Transfer(1, "p", 10)
+    first = asyncio.ensure_future(_await(transfer))
+    second = asyncio.ensure_future(_await(transfer))
+    await asyncio.sleep(0)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(_await(transfer), 0.01)
+    assert transfer.state is State.PENDING and not second.done() and len(transfer._waiters) == 1
+    transfer.set_failed(PeerLost("gone"))
+    with pytest.raises(PeerLost, match="gone"):
+        await asyncio.wait_for(second, 5)
+    assert transfer._waiters == []
+
+
 async def test_cancelling_a_transfer_immediately_or_after_the_data_plane_lets_go():
     asked = []
 

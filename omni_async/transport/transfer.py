@@ -32,7 +32,7 @@ class Transfer:
     ``await transfer`` returns when the receiver acknowledged, or raises the failure.
     """
 
-    __slots__ = ("_callbacks", "_error", "_on_cancel", "_state", "_waiter", "id", "nbytes", "peer_id")
+    __slots__ = ("_callbacks", "_error", "_on_cancel", "_state", "_waiters", "id", "nbytes", "peer_id")
 
     def __init__(
         self,
@@ -46,7 +46,9 @@ class Transfer:
         self.nbytes = nbytes
         self._state = State.PENDING
         self._error: OmniAsyncError | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        """One future per ``await`` in progress: cancelling an awaiter cancels only its own (no
+        shield, whose extra future costs a loop hop per transfer)."""
         self._callbacks: list[Callable[[Transfer], None]] = []
         self._on_cancel = on_cancel
 
@@ -75,9 +77,13 @@ class Transfer:
 
     def __await__(self) -> Generator[Any, None, None]:
         if not self.done():
-            if self._waiter is None:
-                self._waiter = asyncio.get_running_loop().create_future()
-            yield from asyncio.shield(self._waiter).__await__()
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                yield from waiter.__await__()
+            finally:
+                if not self.done():  # the awaiter was cancelled: forget its future
+                    self._waiters.remove(waiter)
         if self._error is not None:
             raise self._error
 
@@ -119,9 +125,10 @@ class Transfer:
     def _settle(self, error: OmniAsyncError | None) -> None:
         self._error = error
         self._state = State.DONE if error is None else State.FAILED
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)  # the error is raised by __await__, never left unretrieved
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)  # the error is raised by __await__, never left unretrieved
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
