@@ -134,9 +134,7 @@ class TransferAdapter:
         else:
             self._next_save[request_id] = index + 1
         future: asyncio.Future[None] = self._loop.create_future()
-        future.add_done_callback(_log_failure)
-        self._unsettled.add(future)
-        future.add_done_callback(self._unsettled.discard)
+        self._unsettled.add(future)  # until _settle (no done callbacks: each would cost a loop hop)
         self._queue.put_nowait(_Save(request_id, index, chunk, final, cancelled, future))
         if self._save_task is None:
             self._save_task = self._loop.create_task(self._save_loop(), name=f"omni-adapter-save-{self.stage}")
@@ -159,8 +157,7 @@ class TransferAdapter:
                     exc = PeerLost(f"destination {self.peer_id!r} is not connected")
                 elif not isinstance(exc, (OmniAsyncError, TypeError, ValueError)):
                     log.error("save %d of %r could not start", item.index, item.request_id, exc_info=exc)
-                if not item.future.done():
-                    item.future.set_exception(exc)
+                self._settle(item.future, exc)
                 continue
             transfer.add_done_callback(partial(self._saved, item.future))
 
@@ -174,18 +171,23 @@ class TransferAdapter:
         log.error("adapter %r save loop died; the adapter is broken", self.stage, exc_info=error)
         self._broken = f"adapter {self.stage!r} is broken: its save loop ended with {error!r}"
         for future in list(self._unsettled):
-            if not future.done():
-                future.set_exception(ClosedError(self._broken))
+            self._settle(future, ClosedError(self._broken))
 
     def _saved(self, future: asyncio.Future[None], transfer: Transfer) -> None:
         self._window.release()
+        self._settle(future, transfer.error())
+
+    def _settle(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        """The one way a save's future ends (unless its owner cancels it): resolved, or failed
+        and the failure logged too, so none goes unseen."""
+        self._unsettled.discard(future)
         if future.done():
             return
-        error = transfer.error()
         if error is None:
             future.set_result(None)
         else:
             future.set_exception(error)
+            log.warning("chunk save failed: %s", error)
 
     # -- loading ----------------------------------------------------------------------------
     def load_async(self, request_id: str) -> asyncio.Future[Chunk]:
@@ -198,7 +200,6 @@ class TransferAdapter:
         index = state.next_index
         state.next_index += 1
         result: asyncio.Future[Chunk] = self._loop.create_future()
-        result.add_done_callback(_retrieve)
         state.waiters.append(result)
         payload = self.connector.wait_for(self._key(request_id, index), source=self.source)
         payload.add_done_callback(partial(self._arrived, request_id, index, result))
@@ -237,7 +238,7 @@ class TransferAdapter:
         if error is None:
             error, chunk = self._unwrap(request_id, index, payload.result())
         if error is not None:
-            result.set_exception(error)
+            _fail_load(result, error)
             self.cleanup(request_id)
             return
         result.set_result(chunk)
@@ -303,7 +304,7 @@ class TransferAdapter:
         if state is not None:
             for waiter in state.waiters:
                 if not waiter.done():
-                    waiter.set_exception(error)
+                    _fail_load(waiter, error)
         self.connector.discard(f"{request_id}:{self.stage}:", error, refuse_later=True)
 
     def cancel(self, request_id: str) -> None:
@@ -339,8 +340,7 @@ class TransferAdapter:
             await asyncio.gather(self._save_task, return_exceptions=True)
         closed = ClosedError("adapter closed")
         for future in list(self._unsettled):
-            if not future.done():
-                future.set_exception(closed)
+            self._settle(future, closed)
         for request_id in list(self._incoming):
             self.cleanup(request_id, closed)
 
@@ -354,13 +354,8 @@ class TransferAdapter:
         return f"{request_id}:{self.stage}:{index}"
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """A load failure belongs to whoever awaits the future; one nobody awaits is not an error."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _log_failure(future: asyncio.Future[None]) -> None:
-    """Save failures reach their future's owner; log them too so none goes unseen."""
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("chunk save failed: %s", future.exception())
+def _fail_load(future: asyncio.Future[Any], error: BaseException) -> None:
+    """Fail a load's future, marked retrieved: a load failure belongs to whoever awaits the
+    future; one nobody awaits is not an error."""
+    future.set_exception(error)
+    future.exception()
