@@ -224,7 +224,20 @@ class Goodbye(_Msg, tag="g", frozen=True):
     peer leaves in order, and close the lane once they have the other's and nothing is pending."""
 
 
-DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Goodbye
+class RingOffer(_Msg, tag="ring", frozen=True):
+    """A peer on this host offers a ring for the headers this side sends it (see
+    :mod:`omni_async.transport.samehost`): the sealed memfd ``fd`` of process ``pid`` named by
+    ``token`` holds a ring of ``capacity`` data bytes; ``wake_fd`` is the write end of the pipe
+    it sleeps on."""
+
+    pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
+    fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+    token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+    wake_fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+    capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
+
+
+DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Goodbye | RingOffer
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)

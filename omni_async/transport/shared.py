@@ -84,28 +84,9 @@ class MappedRegion:
     def __init__(self, share: RegionShare, num_blocks: int, block_len: int) -> None:
         """Open, check and map the memfd the peer advertised; raise :class:`Refused`."""
         self.num_blocks = num_blocks
-        size = num_blocks * block_len
-        expected = link_name(share.token)
-        path = f"/proc/{share.pid}/fd/{share.fd}"
         if share.fd < 0 or not share.token:
             raise Refused("the peer's region is not in a memfd")
-        _check_link(path, expected)  # before opening: never open something else (a device, a fifo)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-        except OSError as exc:
-            raise Refused(f"cannot open {path}: {exc.strerror}") from None
-        try:
-            _check_link(f"/proc/self/fd/{fd}", expected)  # the fd number was not reused meanwhile
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-                raise Refused(f"{path} holds {info.st_size} bytes, the handshake announced {size}")
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
-                raise Refused(f"{path} is not sealed against resizing")
-            self._mapping: mmap.mmap | None = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
-        finally:
-            os.close(fd)
+        self._mapping: mmap.mmap | None = map_memfd(share.pid, share.fd, share.token, num_blocks * block_len)
         self._rows: npt.NDArray[np.uint8] | None = np.frombuffer(self._mapping, np.uint8).reshape(
             num_blocks, block_len
         )
@@ -134,6 +115,49 @@ class MappedRegion:
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
             mapping.close()
+
+
+def map_memfd(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
+    """Map (shared, read-write) the sealed memfd ``fd`` of process ``pid`` named by ``token``
+    (:mod:`omni_async.memfd`), of exactly ``size`` bytes; raise :class:`Refused` otherwise.
+    No descriptor stays open."""
+    expected = link_name(token)
+    path = f"/proc/{pid}/fd/{fd}"
+    _check_link(path, expected)  # before opening: never open something else (a device, a fifo)
+    try:
+        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise Refused(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        _check_link(f"/proc/self/fd/{opened}", expected)  # the fd number was not reused meanwhile
+        info = os.fstat(opened)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise Refused(f"{path} holds {info.st_size} bytes, the peer announced {size}")
+        if fcntl.fcntl(opened, fcntl.F_GET_SEALS) & SIZE_SEALS != SIZE_SEALS:
+            raise Refused(f"{path} is not sealed against resizing")
+        return mmap.mmap(opened, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(opened)
+
+
+def open_pipe(pid: int, fd: int) -> int:
+    """Open the write end of a pipe that process ``pid`` holds as ``fd`` (non-blocking,
+    close-on-exec); raise :class:`Refused` if that is not a pipe with a reader."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        target = os.readlink(path)
+    except OSError as exc:
+        raise Refused(f"cannot read {path}: {exc.strerror}") from None
+    if not target.startswith("pipe:["):
+        raise Refused(f"{path} is {target!r}, not a pipe")
+    try:
+        opened = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise Refused(f"cannot open {path}: {exc.strerror}") from None
+    if not stat.S_ISFIFO(os.fstat(opened).st_mode):
+        os.close(opened)
+        raise Refused(f"{path} is not a pipe")
+    return opened
 
 
 def _check_link(path: str, expected: str) -> None:

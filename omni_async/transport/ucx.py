@@ -7,6 +7,9 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
   a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
   into the peer's region instead and sends only a ``placed`` header;
+* between peers on one host, placed-write headers, acknowledgements and chunk messages that
+  fit go through a shared-memory ring instead of the lane (:mod:`.samehost`, offered with a
+  :class:`~omni_async.wire.RingOffer` right after connecting);
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
@@ -28,6 +31,7 @@ import errno
 import inspect
 import itertools
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import InitVar, dataclass, field
 from functools import partial
@@ -69,6 +73,7 @@ from ..wire import (
     Goodbye,
     MessageHeader,
     ReadRequest,
+    RingOffer,
     WriteRequest,
     data_tag,
     decode_header,
@@ -80,7 +85,9 @@ from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
 from .protocol import Inbox, Outbox
-from .shared import Writers, open_writers
+from .ring import RingError
+from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
+from .shared import Refused, Writers, open_writers
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -93,6 +100,8 @@ DRAIN_TIMEOUT = 2.0
 _DRAIN_TICK = 0.005
 
 Frames = list[npt.NDArray[np.uint8]]
+_Message = tuple[int, str, bytes, list[int], Frames]
+"""A chunk message to post: ``(transfer_id, key, meta, frame sizes, non-empty frames)``."""
 MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
 """``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink.
 
@@ -157,6 +166,13 @@ class _Link:
     """Transfers to the peer that carry a notice (the peer is told if they are given up)."""
     notices: NoticeBook[Callable[[], None]] = field(init=False)
     """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
+    ring_in: RingReceiver | None = None
+    """The ring this peer writes headers and chunk messages into (same host, see
+    :mod:`.samehost`); None: they come over UCX."""
+    ring_out: RingSender | None = None
+    """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
+    parked: deque[_Message] = field(default_factory=deque)
+    """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
@@ -260,7 +276,67 @@ class UcxTransport:
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
         lane.on_stray = partial(self._stray_arrived, link)
-        lane.expecting = lambda: bool(link.sent) or link.inbox.expecting
+        # Acknowledgements come through the ring once there is one: the lane need not spin.
+        lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
+        self._offer_ring(link)
+
+    def _offer_ring(self, link: _Link) -> None:
+        """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
+        if not (self.config.same_host_lane and self.host_id and link.peer.host_id == self.host_id):
+            return
+        try:
+            ring = RingReceiver(
+                self._loop,
+                partial(self._ring_record, link),
+                partial(self._ring_broke, link),
+                lambda: bool(link.sent),
+            )
+        except OSError as exc:
+            log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
+            return
+        link.ring_in = ring
+        link.lane.send(encode_header(ring.offer()), HEADER_TAG, _ignore)
+
+    def _on_ring_offer(self, link: _Link, offer: RingOffer) -> None:
+        """The peer offers its ring: send through it from now on (if it can be mapped)."""
+        if link.ring_out is not None or link.ring_in is None:
+            log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
+            return
+        try:
+            link.ring_out = RingSender(offer)
+        except (Refused, OSError, ValueError) as exc:
+            log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
+
+    def _ring_record(self, link: _Link, kind: int, payload: memoryview) -> None:
+        """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
+        header = decode_header(payload)
+        if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
+            self._on_ring_message(link, header, payload)
+        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack):
+            self._handle_header(link, header)  # Goodbye and RingOffer come only over the lane
+        else:
+            raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
+
+    def _ring_broke(self, link: _Link, error: ProtocolError) -> None:
+        link.ring_in = None
+        self._fault(link.peer.peer_id, error)
+
+    def _send_header(self, link: _Link, header: DataHeader, done: Completion) -> None:
+        """Send a header through the peer's ring if there is one with room, else over UCX."""
+        data = encode_header(header)
+        ring = link.ring_out
+        if ring is not None:
+            try:
+                if ring.send(KIND_HEADER, (data,)):
+                    if link.sent and link.ring_in is not None:
+                        link.ring_in.kick()  # spin for the answer rather than sleep
+                    return
+            except RingError as exc:
+                self._fault(link.peer.peer_id, exc)
+                return
+            if ring.broken is not None:
+                self._drop_ring_out(link)
+        link.lane.send(data, HEADER_TAG, done)
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -278,7 +354,9 @@ class UcxTransport:
         for notice in link.notices.lost(error):  # the writes it was sending us fail
             self.notices.offer(notice, _nothing)
         link.outbox.clear()
+        link.parked.clear()
         self._drop_direct(link)
+        self._drop_rings(link)
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
         if orderly:
@@ -507,13 +585,28 @@ class UcxTransport:
             return
         seq = link.outbox.take_seq(0)
         header = _write_request(transfer_id, seq, runs, tag, placed=True)
-        link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
+        if tag is None:  # a write with a notice keeps the lane: notices follow header order
+            self._send_header(link, header, partial(self._sent, link, transfer_id))
+        else:
+            link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
 
     @staticmethod
     def _drop_direct(link: _Link) -> None:
         direct, link.direct = link.direct, None
         if direct is not None:
             direct.close()
+
+    @staticmethod
+    def _drop_ring_out(link: _Link) -> None:
+        ring, link.ring_out = link.ring_out, None
+        if ring is not None:
+            ring.close()
+
+    def _drop_rings(self, link: _Link) -> None:
+        self._drop_ring_out(link)
+        ring, link.ring_in = link.ring_in, None
+        if ring is not None:
+            ring.close()
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
         """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
@@ -538,12 +631,76 @@ class UcxTransport:
     def _post_message(
         self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
     ) -> None:
+        message = (transfer_id, key, meta, sizes, payload)
+        if link.ring_out is not None and not link.parked:
+            outcome = self._ring_message(link, message)
+            if outcome == "sent":
+                return
+            if outcome == "full" and self._may_park(link, 1):
+                link.parked.append(message)
+                return
+        elif link.parked and self._may_park(link, len(link.parked) + 1):
+            link.parked.append(message)  # behind the messages waiting for room in the ring
+            return
+        self._lane_message(link, message)
+
+    def _lane_message(self, link: _Link, message: _Message) -> None:
+        transfer_id, key, meta, sizes, payload = message
         seq = link.outbox.take_seq(1)
         header = MessageHeader(transfer_id, seq, key, meta, sizes)
         on_sent = partial(self._sent, link, transfer_id)
         link.lane.send(encode_header(header), HEADER_TAG, on_sent)
         if payload:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
+
+    @staticmethod
+    def _may_park(link: _Link, waiting: int) -> bool:
+        """A message may wait for room in the ring only while some other transfer awaits an
+        answer: the answers free room (and run :meth:`_unpark`), so a wait always ends."""
+        return len(link.sent) > waiting
+
+    def _unpark(self, link: _Link) -> None:
+        """Post the messages waiting for room in the ring, in order, as far as it has room;
+        through the lane once nothing else is awaited (or the ring is gone)."""
+        parked = link.parked
+        while parked:
+            message = parked[0]
+            transfer_id = message[0]
+            if transfer_id not in link.sent:  # settled while it waited: never sent, so no Ack
+                parked.popleft()  # will free its window share: release it here
+                _carry_out(link.outbox.answered(transfer_id, "", "")[2])
+                continue
+            outcome = self._ring_message(link, message) if link.ring_out is not None else "lane"
+            if outcome == "full" and self._may_park(link, len(parked)):
+                return
+            parked.popleft()
+            if outcome != "sent":
+                self._lane_message(link, message)
+
+    def _ring_message(self, link: _Link, message: _Message) -> str:
+        """Put a chunk message (header and frames, one record) into the peer's ring.  Returns
+        ``"sent"`` (or failed: the peer broke the ring and is dropped), ``"full"`` (no room
+        now) or ``"lane"`` (too large, or the ring is gone: send it over UCX)."""
+        ring = link.ring_out
+        transfer_id, key, meta, sizes, payload = message
+        if ring is None:
+            return "lane"
+        data = encode_header(MessageHeader(transfer_id, link.outbox.take_seq(0), key, meta, sizes))
+        if len(data) + sum(sizes) > ring.max_payload:
+            return "lane"
+        try:
+            if ring.send(KIND_MESSAGE, [data, *(frame.data for frame in payload)]):
+                if link.ring_in is not None:
+                    link.ring_in.kick()  # spin for the answer rather than sleep
+                return "sent"
+        except RingError as exc:
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
+            self._fault(link.peer.peer_id, exc)
+            return "sent"
+        if ring.broken is not None:
+            self._drop_ring_out(link)
+            return "lane"
+        return "full"
 
     def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
@@ -576,6 +733,8 @@ class UcxTransport:
             if error is not None:
                 self._abort(link, transfer_id, error)
             _carry_out(link.outbox.forget(transfer_id))
+            if link.parked:
+                self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
         link.noticed.discard(transfer_id)
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
@@ -692,7 +851,13 @@ class UcxTransport:
         except ProtocolError as exc:
             self._fault(link.peer.peer_id, exc)
             return
+        self._handle_header(link, header)
+
+    def _handle_header(self, link: _Link, header: DataHeader) -> None:
+        """A header from the peer, over UCX or through its ring."""
         if isinstance(header, Goodbye):
+            if link.ring_in is not None:
+                link.ring_in.run()  # what the peer put into the ring before it left comes first
             link.peer_left = True
             if not link.leaving:  # the peer leaves first: drain, and tell the owner
                 gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
@@ -702,6 +867,8 @@ class UcxTransport:
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
             self._on_write(link, header)
+        elif isinstance(header, RingOffer):
+            self._on_ring_offer(link, header)
         elif isinstance(header, ReadRequest):
             self._on_read(link, header)
         elif isinstance(header, Abort):
@@ -813,6 +980,20 @@ class UcxTransport:
         else:
             deliver(None)
 
+    def _on_ring_message(self, link: _Link, hdr: MessageHeader, record: memoryview) -> None:
+        """A chunk message whose frames follow its header in a ring record: copy them out
+        (the record is valid only during this call) and deliver.  Raises ProtocolError."""
+        nbytes = validate_message(hdr, self.config.max_message_bytes)
+        offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
+        if offset + nbytes != len(record):
+            raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
+        link.inbox.admit(hdr.seq, 0, nbytes)
+        frames = []
+        for size in hdr.frames:
+            frames.append(np.frombuffer(record, np.uint8, size, offset).copy())
+            offset += size
+        self._deliver(link, hdr, frames, nbytes, None)
+
     def _deliver(
         self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
@@ -863,7 +1044,7 @@ class UcxTransport:
             ack = Ack(transfer_id, error.code, str(error)[:1000])
         else:
             ack = Ack(transfer_id, TransferFailed.code, f"receive failed: {error}"[:1000])
-        link.lane.send(encode_header(ack), HEADER_TAG, _ignore)
+        self._send_header(link, ack, _ignore)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def close(self) -> None:

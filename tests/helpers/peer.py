@@ -113,6 +113,8 @@ async def main(argv: list[str]) -> None:
             await write(agent, argv[5], *argv[6:])
         elif role == "pump":
             await pump(agent, argv[5])
+        elif role == "chat":
+            await chat(agent, argv[5])
         elif role == "notify":
             await notify(agent, argv[5])
         elif role == "race":
@@ -188,6 +190,19 @@ async def pump(agent: Agent, address: str) -> None:
         peer = await agent.connect(address)
         await agent.write_blocks(peer, blocks, blocks)
         say({"reconnected": peer})
+
+
+async def chat(agent: Agent, address: str) -> None:
+    """Send chunk messages to the peer at ``address`` from 8 streams until killed."""
+    peer = await agent.connect(address)
+    say({"connected": peer})
+    frame = np.arange(8192, dtype=np.uint8)
+
+    async def stream(number: int) -> None:
+        while True:
+            await agent.send_message(peer, f"s{number}", b"m", [frame])
+
+    await asyncio.gather(*(stream(i) for i in range(8)))
 
 
 async def race(agent: Agent) -> None:

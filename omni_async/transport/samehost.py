@@ -1,0 +1,256 @@
+"""Same-host message rings: headers, acknowledgements and chunk messages between two processes
+on one host go through shared memory instead of UCX.  The asyncio driver of :mod:`.ring`.
+
+Each side of a same-host link makes one :class:`RingReceiver` (the ring its peer writes into:
+a sealed memfd, :mod:`omni_async.memfd`, plus a pipe it sleeps on) and offers it over the UCX
+lane (:class:`~omni_async.wire.RingOffer`); the peer maps it with the same checks as a block
+region (:func:`.shared.map_memfd`: ``/proc/<pid>/fd/<fd>``, the token, the size, the seals),
+opens the pipe's write end through ``/proc`` (an eventfd cannot be reopened that way: ENXIO)
+and from then on writes into it with a :class:`RingSender`.  The UCX lane still carries
+everything else (non-placed block payloads, goodbyes, messages larger than the ring) and is
+the fallback whenever the ring is full.
+
+Wake-up rule: the receiver runs in turns, from the pipe's ``loop.add_reader`` callback or
+soon after this side sent a request (:meth:`RingReceiver.kick`).  A turn takes the records
+published so far (one batch) and, if there were some, comes back after the callbacks they
+woke; a turn that finds none spins on the ring's head for at most ``SPIN`` seconds if an
+answer is expected (a transfer awaits its acknowledgement) or records came in the last turn,
+then marks itself asleep (odd epoch) and sleeps.  A sender writes one byte into the pipe
+after a record only when the receiver sleeps, once per sleep.  An idle pair costs nothing:
+one fruitless spin after the last record, then both sides sleep.
+
+Failure rules: a killed receiver leaves its ring mapped here (our mapping keeps the pages; a
+wake-up write fails with EPIPE and the sender falls back to UCX); a killed sender just stops
+writing.  Neither side ever blocks on the other; liveness comes from the control plane.  A
+ring whose framing or counters the other side broke raises :class:`~.ring.RingError`: the
+peer is dropped.  Nothing is named in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from ..errors import ProtocolError
+from ..memfd import SharedSegment
+from ..wire import RingOffer
+from .ring import Consumer, Producer, max_payload, ring_size
+from .shared import Refused, map_memfd, open_pipe
+
+log = logging.getLogger(__name__)
+
+RING_CAPACITY: Final = 8 << 20
+"""Data bytes of each ring (one per direction and peer; pages are touched only when used)."""
+KIND_HEADER: Final = 1
+"""A record holding one encoded data header."""
+KIND_MESSAGE: Final = 2
+"""A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
+SPIN: Final = 50e-6
+"""Seconds a receiver that expects an answer polls its ring before sleeping."""
+_SPIN_MISSES: Final = 3
+_BATCH: Final = 256
+"""Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
+
+Deliver = Callable[[int, memoryview], None]
+"""``deliver(kind, payload)``: one record; the view is valid only during the call.  Raising
+:class:`ProtocolError` drops the peer."""
+
+
+class RingReceiver:
+    """The ring this side reads and the pipe it sleeps on (see the module docstring).
+
+    ``deliver`` gets each record in order; ``fault`` is called once with the error that broke
+    the ring (then nothing more is delivered); ``expecting()`` says whether to spin.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Deliver,
+        fault: Callable[[ProtocolError], None],
+        expecting: Callable[[], bool],
+        capacity: int = RING_CAPACITY,
+    ) -> None:
+        self.capacity = capacity
+        self._loop = loop
+        self._deliver = deliver
+        self._fault = fault
+        self._expecting = expecting
+        self._segment = SharedSegment(ring_size(capacity))
+        self._consumer = Consumer(self._segment.array.data)
+        self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._closed = False
+        self._scheduled = False
+        self._active = False
+        self._misses = 0
+        self.turns = 0
+        """Turns run so far (for idle-CPU tests)."""
+        self.wakeups = 0
+        """Pipe wake-ups so far (for idle-CPU tests)."""
+        self._consumer.sleep()  # until the first record, the sender must wake us
+        loop.add_reader(self._read, self._readable)
+
+    def offer(self) -> RingOffer:
+        """What the peer needs to write into this ring."""
+        return RingOffer(
+            pid=os.getpid(),
+            fd=self._segment.fd,
+            token=self._segment.token,
+            wake_fd=self._write,
+            capacity=self.capacity,
+        )
+
+    @property
+    def fds(self) -> tuple[int, int, int]:
+        """The descriptors this receiver holds (memfd, pipe read end, pipe write end)."""
+        return self._segment.fd, self._read, self._write
+
+    def _readable(self) -> None:
+        try:
+            os.read(self._read, 4096)
+        except BlockingIOError:
+            pass
+        self.wakeups += 1
+        self.run()
+
+    def kick(self) -> None:
+        """Run a turn soon (after the loop's ready callbacks): called after this side sent
+        something that expects an answer, so the turn spins for it instead of sleeping."""
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self._loop.call_soon(self._rerun)
+
+    def _rerun(self) -> None:
+        self._scheduled = False
+        self.run()
+
+    def run(self) -> None:
+        """One turn: deliver the records published so far (at most a batch), then come back
+        after the callbacks they woke; with none, spin (at most ``SPIN``) if an answer is
+        expected or records came in the last turn, else sleep."""
+        if self._closed:
+            return
+        self.turns += 1
+        consumer = self._consumer
+        consumer.awake()
+        try:
+            delivered = self._take_batch()
+            if not delivered and not self._closed and self._may_spin():
+                if _spin(consumer):
+                    self._misses = 0
+                    delivered = self._take_batch()
+                else:
+                    self._misses += 1
+            if self._closed:
+                return
+            self._active = delivered > 0
+            if delivered or consumer.sleep():  # (a record may have come just before it slept)
+                consumer.awake()
+                self.kick()
+        except ProtocolError as exc:
+            self.close()
+            self._fault(exc)
+
+    def _take_batch(self) -> int:
+        consumer = self._consumer
+        delivered = 0
+        while delivered < _BATCH:
+            record = consumer.take()
+            if record is None:
+                break
+            delivered += 1
+            try:
+                self._deliver(*record)
+            except ProtocolError:
+                raise
+            except Exception:  # a handler bug fails that record, not the ring
+                log.exception("handling a ring record failed")
+            if self._closed:
+                return delivered
+        consumer.commit()
+        return delivered
+
+    def _may_spin(self) -> bool:
+        """Spin only while an answer is expected or the peer just sent something, and only
+        while spinning pays (after ``_SPIN_MISSES`` fruitless spins in a row: every 64th turn)."""
+        if self._misses >= _SPIN_MISSES and self.turns % 64:
+            return False
+        if self._active:
+            return True
+        try:
+            return self._expecting()
+        except Exception:
+            log.exception("a ring's expecting callback failed")
+            return False
+
+    def close(self) -> None:
+        """Stop reading, close the pipe and the memfd (the peer's mapping stays valid until it
+        unmaps).  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._read)
+        os.close(self._read)
+        os.close(self._write)
+        self._consumer.release()
+        self._segment.close()
+
+
+class RingSender:
+    """Writes records into a peer's :class:`RingReceiver` (mapped from its offer).
+
+    Raises :class:`~.shared.Refused` (or :class:`OSError`) if the offer cannot be mapped.
+    """
+
+    def __init__(self, offer: RingOffer) -> None:
+        capacity = offer.capacity
+        if capacity & (capacity - 1):
+            raise Refused(f"a ring of {capacity} bytes (not a power of two)")
+        mapping = map_memfd(offer.pid, offer.fd, offer.token, ring_size(capacity))
+        try:
+            self._wake = open_pipe(offer.pid, offer.wake_fd)
+        except BaseException:
+            mapping.close()
+            raise
+        self._mapping = mapping
+        self.token = offer.token
+        self._producer = Producer(memoryview(mapping))
+        self.max_payload = max_payload(capacity)
+        self.broken: OSError | None = None
+        """Set once a wake-up failed (the peer closed the ring or exited): stop using it."""
+
+    def send(self, kind: int, parts: Sequence[bytes | memoryview]) -> bool:
+        """Append one record (``parts`` concatenated) and wake the peer if it sleeps; False if
+        it does not fit now or the ring broke (send it another way).  Raises
+        :class:`~.ring.RingError` if the peer corrupted the ring."""
+        if self.broken is not None or not self._producer.put(kind, parts):
+            return False
+        if self._producer.wants_wake():
+            try:
+                os.write(self._wake, b"\1")
+            except BlockingIOError:
+                pass  # the pipe is full of wake-ups already
+            except OSError as exc:  # EPIPE: the peer's read end is gone
+                self.broken = exc
+        return True
+
+    def close(self) -> None:
+        """Unmap the peer's ring and close the pipe.  Idempotent."""
+        if self._wake < 0:
+            return
+        os.close(self._wake)
+        self._wake = -1
+        self._producer.release()
+        self._mapping.close()
+
+
+def _spin(consumer: Consumer) -> bool:
+    deadline = time.perf_counter() + SPIN
+    while time.perf_counter() < deadline:
+        if consumer.ready():
+            return True
+    return False

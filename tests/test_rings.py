@@ -1,0 +1,352 @@
+"""Same-host message rings: the sans-I/O ring codec (Hypothesis, no processes), the rings
+between two agents, a hostile peer writing garbage into them, and kill -9 of either side in
+real separate processes."""
+
+import asyncio
+import gc
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni_async.errors import PeerLost
+from omni_async.transport import samehost
+from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
+from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header
+
+from .conftest import FAST
+from .test_shared import dev_shm, mapped, open_fds_to
+
+pytestmark = pytest.mark.timeout(90)
+
+CAPACITY = 256
+
+
+def ring(capacity=CAPACITY):
+    buffer = memoryview(bytearray(ring_size(capacity)))
+    return buffer, Producer(buffer), Consumer(buffer)
+
+
+# -- the codec, without processes ---------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, max_payload(CAPACITY)), st.just(-1)), max_size=80))
+def test_records_come_out_in_order_whole_across_wraparound(steps):
+    """Puts (sizes) and takes (-1) in any order: every record put comes out once, in order,
+    with its bytes; a put is refused only while unconsumed records fill the ring."""
+    _, producer, consumer = ring()
+    queue, counter = [], 0
+    for step in steps:
+        if step < 0:
+            record = consumer.take()
+            if not queue:
+                assert record is None
+                continue
+            kind, view = record
+            expected_kind, expected = queue.pop(0)
+            assert (kind, bytes(view)) == (expected_kind, expected)
+            consumer.commit()
+        else:
+            counter += 1
+            payload = bytes([counter % 251]) * step
+            if producer.put(counter % 7, [payload[: step // 2], payload[step // 2 :]]):
+                queue.append((counter % 7, payload))
+            else:
+                assert queue, "an empty ring refused a record"
+    while queue:
+        kind, view = consumer.take()
+        assert (kind, bytes(view)) == queue.pop(0)
+    assert consumer.take() is None
+
+
+def test_a_record_over_the_limit_is_refused_by_the_producer():
+    _, producer, _ = ring()
+    with pytest.raises(ValueError):
+        producer.put(1, [b"x" * (max_payload(CAPACITY) + 1)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=ring_size(CAPACITY), max_size=ring_size(CAPACITY)),
+       st.one_of(st.integers(0, CAPACITY // 8).map(lambda n: 8 * n), st.integers(0, 2**64 - 1)),
+       st.lists(st.sampled_from([0, 4, 8, 100, WRAP, max_payload(CAPACITY)]), max_size=4))
+def test_garbage_from_the_producer_is_a_ring_error_never_a_read_outside(garbage, head, lengths):
+    """Whatever a hostile producer writes (counters, framing), the consumer hands out only
+    whole records inside the ring's data, or raises RingError."""
+    buffer = memoryview(bytearray(garbage))
+    buffer[:8] = head.to_bytes(8, "little")
+    buffer[64:72] = bytes(8)  # the consumer starts at 0 (it made the ring)
+    at = 0
+    for length in lengths:  # plausible-looking framing at the first records
+        struct.pack_into("<I", buffer, HEADER_BYTES + at, length)
+        at = (at + 8 + (length + 7 & ~7)) % CAPACITY if length != WRAP else 0
+    consumer = Consumer(buffer)
+    data = buffer[HEADER_BYTES:]
+    for _ in range(20):
+        try:
+            record = consumer.take()
+        except RingError:
+            return
+        if record is None:
+            return
+        _kind, view = record
+        offset = address(view) - address(data)  # where the payload starts in the ring's data
+        (declared,) = struct.unpack_from("<I", data, offset - 8)
+        assert len(view) == declared <= max_payload(CAPACITY)  # whole, not cut at the ring's end
+        assert offset >= 8 and offset + len(view) <= CAPACITY
+        consumer.commit()
+
+
+def address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else address_of_empty(view)
+
+
+def address_of_empty(view: memoryview) -> int:
+    """Where an empty view points (numpy refuses zero-length buffers' addresses otherwise)."""
+    return np.asarray(view).__array_interface__["data"][0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**64 - 1))
+def test_a_consumers_garbage_tail_never_makes_the_producer_overwrite_blindly(tail):
+    buffer, producer, _ = ring()
+    struct.pack_into("<Q", buffer, 64, tail)
+    try:
+        accepted = producer.put(1, [b"x" * 10])
+    except RingError:
+        return
+    assert tail == 0 or not accepted or 0 <= producer._head - tail <= CAPACITY
+
+
+def test_wrap_marker_and_framing_errors_are_typed():
+    buffer, producer, consumer = ring()
+    struct.pack_into("<II", buffer, HEADER_BYTES, WRAP, 0)
+    struct.pack_into("<Q", buffer, 0, 8)  # a wrap marker claiming the rest of the ring: only 8 bytes produced
+    with pytest.raises(RingError, match="wrap marker"):
+        consumer.take()
+    _, _, consumer = ring()
+    buffer = consumer._buf
+    struct.pack_into("<II", buffer, HEADER_BYTES, 100, 1)
+    struct.pack_into("<Q", buffer, 0, 16)  # a 100-byte record of which 8 bytes are produced
+    with pytest.raises(RingError, match="leaves the ring"):
+        consumer.take()
+
+
+def test_the_producer_wakes_a_sleeping_consumer_once_per_sleep():
+    _, producer, consumer = ring()
+    assert consumer.sleep() is False
+    assert producer.put(1, [b"a"]) and producer.wants_wake()
+    assert producer.put(1, [b"b"]) and not producer.wants_wake()  # woken already
+    consumer.awake()
+    assert consumer.take()[1] == b"a" and consumer.take()[1] == b"b"
+    consumer.commit()
+    assert producer.put(1, [b"c"]) and not producer.wants_wake()  # awake: no wake-up needed
+    assert consumer.sleep() is True  # a record came before it slept: it must not sleep
+    consumer.awake()
+    consumer.take()
+    consumer.commit()
+    assert consumer.sleep() is False
+    assert producer.put(1, [b"d"]) and producer.wants_wake()
+
+
+# -- two agents in this process --------------------------------------------------------------------
+async def pair(make_agent, **config):
+    a = await make_agent(16, 4096, peer_id="a", **config)
+    b = await make_agent(16, 4096, peer_id="b", **config)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    await asyncio.wait_for(b.wait_for_peer("a"), 10)
+    links = a.transport._links["b"], b.transport._links["a"]
+    async with asyncio.timeout(5):
+        while config.get("same_host_lane", True) and not all(link.ring_out for link in links):
+            await asyncio.sleep(0.01)
+    return a, b
+
+
+def count_header_sends(lane):
+    """Fault-injection wrapper around a real lane: records the tags of its sends."""
+    tags, send = [], lane.send
+    lane.send = lambda buffer, tag, done: (tags.append(tag), send(buffer, tag, done))[1]
+    return tags
+
+
+async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append((key, meta, [bytes(f) for f in frames])))
+    tags_a = count_header_sends(a.transport._links["b"].lane)
+    tags_b = count_header_sends(b.transport._links["a"].lane)
+    a.region.array[3] = 7
+    await asyncio.wait_for(a.write_blocks("b", [3], [4]), 5)
+    frames = [np.arange(1000, dtype=np.uint8), np.zeros(0, np.uint8), np.full(5, 9, np.uint8)]
+    await asyncio.wait_for(a.send_message("b", "k", b"meta", frames), 5)
+    assert (b.region.array[4] == 7).all()
+    assert got == [("k", b"meta", [bytes(f) for f in frames])]
+    assert tags_a == [] and tags_b == []  # neither the header, nor the acks went over UCX
+    assert b.transport._links["a"].ring_in.wakeups > 0
+
+
+async def test_an_idle_pair_runs_no_ring_turns(make_agent):
+    """After traffic, each ring spins at most once more, then sleeps until a record comes."""
+    a, b = await pair(make_agent)
+    rings = [a.transport._links["b"].ring_in, b.transport._links["a"].ring_in]
+    b.set_message_sink(lambda *_message: None)
+    for _ in range(20):
+        await asyncio.wait_for(a.send_message("b", "k", b"", [np.ones(10, np.uint8)]), 5)
+    await asyncio.sleep(0.05)
+    turns = [ring.turns for ring in rings]
+    cpu = time.process_time()
+    await asyncio.sleep(0.5)
+    assert [ring.turns for ring in rings] == turns
+    assert time.process_time() - cpu < 0.05
+
+
+async def test_switch_off_leaves_everything_on_ucx(make_agent):
+    a, b = await pair(make_agent, same_host_lane=False)
+    assert a.transport._links["b"].ring_in is None and a.transport._links["b"].ring_out is None
+    await asyncio.wait_for(a.write_blocks("b", [1], [2]), 5)
+
+
+async def test_a_message_larger_than_the_ring_goes_over_ucx(make_agent):
+    a, b = await pair(make_agent, max_message_bytes=16 << 20)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(frames[0].nbytes))
+    tags = count_header_sends(a.transport._links["b"].lane)
+    big = samehost.RING_CAPACITY // 2 + 1
+    await asyncio.wait_for(a.send_message("b", "big", b"", [np.ones(big, np.uint8)]), 10)
+    assert got == [big] and HEADER_TAG in tags
+
+
+async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
+    """More chunk bytes at once than the ring holds: the excess waits for the answers that
+    free room, in order, instead of taking the lane; every message arrives intact."""
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append((key, int(frames[0][0]))))
+    tags = count_header_sends(a.transport._links["b"].lane)
+    size = samehost.RING_CAPACITY // 8
+    frames = [np.full(size, i, np.uint8) for i in range(40)]  # 5x the ring
+    transfers = [a.send_message("b", f"k{i}", b"", [frame]) for i, frame in enumerate(frames)]
+    assert a.transport._links["b"].parked
+    await asyncio.wait_for(asyncio.gather(*transfers), 20)
+    assert got == [(f"k{i}", i) for i in range(40)]
+    assert tags == [] and not a.transport._links["b"].parked
+
+
+@pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye"])
+async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, garbage):
+    """A peer that writes garbage into our ring: a typed error, the peer dropped, this
+    process keeps serving others."""
+    a, b = await pair(make_agent)
+    ring = a.transport._links["b"].ring_out
+    producer = ring._producer
+    if garbage == "head":
+        producer._ctl[0] = producer._head + 3 * samehost.RING_CAPACITY + 3
+    elif garbage == "kind":
+        producer.put(9, [encode_header(Ack(1))])
+    elif garbage == "goodbye":  # only ever sent over the lane
+        producer.put(samehost.KIND_HEADER, [encode_header(Goodbye())])
+    elif garbage == "frames":
+        producer.put(samehost.KIND_MESSAGE, [encode_header(MessageHeader(1, 0, "k", b"", [1 << 20]))])
+    else:
+        producer.put(samehost.KIND_HEADER, [b"\xff" * 16])
+    os.write(ring._wake, b"\1")
+    async with asyncio.timeout(5):
+        while "a" in b.peers:
+            await asyncio.sleep(0.01)
+    c = await make_agent(16, 4096, peer_id="c")
+    await asyncio.wait_for(c.connect(b.control_address), 10)
+    await asyncio.wait_for(c.write_blocks("b", [1], [1]), 5)
+
+
+def open_links() -> set[str]:
+    links = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return links
+
+
+async def test_removing_a_peer_releases_both_rings(make_agent):
+    a, b = await pair(make_agent)
+    ours = a.transport._links["b"].ring_in
+    theirs = a.transport._links["b"].ring_out.token
+    mine = ours.offer().token
+    pipe = os.readlink(f"/proc/self/fd/{ours.fds[1]}")
+    assert pipe.startswith("pipe:") and len(mapped(theirs)) == 2  # b's mapping of its ring, and ours
+    await a.remove_peer("b")
+    async with asyncio.timeout(5):
+        while "a" in b.peers:
+            await asyncio.sleep(0.01)
+    del ours
+    gc.collect()
+    assert open_fds_to(mine) == []  # a's ring: its memfd, and both mappings (each holds a descriptor)
+    assert pipe not in open_links()  # a's wake-up pipe: both ends closed (b's write end too, by b)
+    assert mapped(theirs) == []  # b's ring: a's mapping, and b's own (b dropped a too)
+
+
+# -- two processes, kill -9 of either side ----------------------------------------------------------
+async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path):
+    before = dev_shm()
+    peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), 16, 4096, {"peer_id": "rx"})
+    agent = await make_agent(16, 4096, peer_id="tx")
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    link = agent.transport._links["rx"]
+    async with asyncio.timeout(5):
+        while link.ring_out is None:
+            await asyncio.sleep(0.01)
+    token = link.ring_out.token
+    frame = np.ones(8192, np.uint8)
+    transfers = []
+    started = time.monotonic()
+    killed = False
+    while time.monotonic() - started < 0.5 and "rx" in agent.transport.peer_ids:
+        if len(transfers) > 64 and not killed:
+            peer.proc.kill()
+            killed, killed_at = True, time.monotonic()
+        transfers.append(agent.send_message("rx", "k", b"", [frame]))
+        await asyncio.sleep(0)
+    assert killed
+    results = await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 15)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(r, PeerLost) for r in failures), {type(r) for r in failures}
+    async with asyncio.timeout(FAST["heartbeat_timeout"] + 2.0):
+        while agent.peers:
+            await asyncio.sleep(0.02)
+    assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
+    await asyncio.wait_for(peer.proc.wait(), 10)
+    gc.collect()
+    assert mapped(token) == [] and open_fds_to(token) == []
+    assert dev_shm() <= before
+
+
+async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn_peer, tmp_path):
+    before = dev_shm()
+    agent = await make_agent(16, 4096, peer_id="rx")
+    received = []
+    agent.set_message_sink(lambda peer, key, meta, frames: received.append(key))
+    sender = await spawn_peer("chat", str(tmp_path / "c.memfd"), 16, 4096, {"peer_id": "tx"}, agent.control_address)
+    assert sender.info == {"connected": "rx"}
+    link = agent.transport._links["tx"]
+    async with asyncio.timeout(5):
+        while len(received) < 200:
+            await asyncio.sleep(0.01)
+    assert link.ring_in is not None and link.ring_in.wakeups > 0
+    mine = link.ring_in.offer().token
+    pipe = os.readlink(f"/proc/self/fd/{link.ring_in.fds[1]}")
+    sender.kill()
+    killed_at = time.monotonic()
+    async with asyncio.timeout(FAST["heartbeat_timeout"] + 2.0):
+        while "tx" in agent.peers:
+            await asyncio.sleep(0.02)
+    assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
+    await asyncio.wait_for(sender.proc.wait(), 10)
+    gc.collect()
+    assert open_fds_to(mine) == [] and pipe not in open_links()  # our ring's memfd and pipe: closed
+    other = await spawn_peer("serve", str(tmp_path / "o.memfd"), 16, 4096, {"peer_id": "o"})
+    await asyncio.wait_for(agent.connect(other.info["address"]), 10)
+    await asyncio.wait_for(agent.send_message("o", "k", b"", [np.ones(10, np.uint8)]), 10)
+    assert dev_shm() <= before
