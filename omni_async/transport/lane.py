@@ -50,7 +50,6 @@ _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is c
 
 ucx_api: Any = None
 """ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
-_Array: Any = None
 _load_lock = threading.Lock()
 
 
@@ -64,18 +63,17 @@ def load_ucxx() -> Any:
     os.environ, where every UCX context and every child process would pick them up: they are
     undone; our contexts get what they need through :func:`new_context`'s config.
     """
-    global ucx_api, _Array
+    global ucx_api
     with _load_lock:
         if ucx_api is None:
             os.environ.setdefault("UCX_LOG_FILE", "stderr")
             before = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
             import ucxx._lib.libucxx as api
-            from ucxx._lib.arr import Array
 
             for key in [key for key in os.environ if key.startswith("UCX_") and key not in before]:
                 del os.environ[key]
             os.environ.update(before)
-            ucx_api, _Array = api, Array
+            ucx_api = api
     return ucx_api
 
 
@@ -109,8 +107,7 @@ class Lane:
         self._fd: int = self._worker.epoll_file_descriptor
         self._endpoint = 0  # a UCP endpoint handle (:mod:`.iov`), 0 until connected
         self._pending: deque[tuple[Any, Completion, object]] = deque()
-        self._watches: list[tuple[Any, Any, Arrival]] = []
-        self._raw_watches: list[tuple[int, int, Arrival]] = []
+        self._watches: list[tuple[int, int, Arrival]] = []
         self._probe_info = iov.RecvInfo()
         self._drive_scheduled = False
         self._spin_misses = 0
@@ -165,32 +162,28 @@ class Lane:
         """
         self.send_many([np.frombuffer(buffer, np.uint8)], tag, done)
 
-    def watch(self, tag: int, mask: int, on_arrival: Arrival, *, raw: bool = False) -> None:
+    def watch(self, tag: int, mask: int, on_arrival: Arrival) -> None:
         """Hand every message whose tag matches ``tag`` under ``mask`` to ``on_arrival``.
 
-        Nothing stays posted for such messages, so closing the lane never leaves a UCX request
-        behind (a posted receive would keep the worker alive after close).  ``on_arrival``
-        must take each message: with :meth:`recv_arrived` (a ucxx probe result), or, for a
-        ``raw`` watch, with :meth:`recv_arrived_many` (a UCP message handle, see :mod:`.iov`).
+        Nothing stays posted for such messages, so closing the lane never leaves a receive
+        behind.  ``on_arrival`` must take each message (a UCP message handle, see :mod:`.iov`)
+        with :meth:`recv_arrived` or :meth:`recv_arrived_many`.
         """
-        if raw:
-            self._raw_watches.append((tag, mask, on_arrival))
-        else:
-            self._watches.append((ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), on_arrival))
+        self._watches.append((tag, mask, on_arrival))
         self._schedule_drive()
 
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
         """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
         ``done`` runs)."""
-        self._post_raw(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
+        self._post(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
 
     def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
-        """Receive a message taken by a ``raw`` watch, scattered over ``buffers`` (their sizes
-        must add up to its length; borrowed until ``done`` runs)."""
-        self._post_raw(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
+        """Receive a message taken by a watch, scattered over ``buffers`` (their sizes must add
+        up to its length; borrowed until ``done`` runs)."""
+        self._post(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
 
-    def _post_raw(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
-        """Post a :mod:`.iov` request over ``buffers`` and track it like a ucxx request."""
+    def _post(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
+        """Post a :mod:`.iov` request over ``buffers`` and track it until it completes."""
         if self._closed:
             _run(done, self._close_reason)
             return
@@ -202,13 +195,10 @@ class Lane:
             return
         self._track(_RawRequest(handle), done, (buffers, vector))
 
-    def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
-        """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
-        if self._closed:
-            _run(done, self._close_reason)
-            return
-        # The probe result owns the UCX message handle: keep it alive with the buffer.
-        self._track(self._worker.tag_recv_with_handle(_Array(buffer), message), done, (buffer, message))
+    def recv_arrived(self, buffer: Any, message: int, done: Completion) -> None:
+        """Receive a message taken by a watch into ``buffer`` (any writable C-contiguous buffer
+        of at least its length, borrowed until ``done`` runs)."""
+        self.recv_arrived_many([np.frombuffer(buffer, np.uint8)], message, done)
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
@@ -284,22 +274,12 @@ class Lane:
         if some may be left (the caller comes back before sleeping)."""
         more = False
         for tag, mask, on_arrival in self._watches:
-            for _ in range(_MAX_ARRIVALS):
-                if self._closed:
-                    return False
-                message = self._worker.tag_probe(tag, mask, remove=True)
-                if not message.matched:
-                    break
-                _run(on_arrival, message.sender_tag.value, message.length, message)
-            else:
-                more = True
-        for raw_tag, raw_mask, on_raw in self._raw_watches:
-            more = self._take_raw(raw_tag, raw_mask, on_raw) or more
+            more = self._take(tag, mask, on_arrival) or more
         if not more and self.on_stray is not None:  # every watched message is taken by now
-            more = self._take_raw(0, 0, self.on_stray)
+            more = self._take(0, 0, self.on_stray)
         return more
 
-    def _take_raw(self, tag: int, mask: int, on_raw: Arrival) -> bool:
+    def _take(self, tag: int, mask: int, on_arrival: Arrival) -> bool:
         for _ in range(_MAX_ARRIVALS):
             if self._closed:
                 return False
@@ -307,7 +287,7 @@ class Lane:
             if found is None:
                 return False
             handle, sender_tag, length = found
-            _run(on_raw, sender_tag, length, handle)
+            _run(on_arrival, sender_tag, length, handle)
         return True
 
     def _reap(self, everything: bool) -> None:
