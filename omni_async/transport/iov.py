@@ -1,4 +1,4 @@
-"""Scatter/gather tag messages: one UCX message for many buffers, via ctypes on ucxx's handles.
+"""A lane's UCP endpoint and tag messages (scattered and gathered too), via ctypes on ucxx's worker.
 
 ucxx's Python API sends one contiguous buffer per message, and each message costs 3-9 µs of
 Python; a write of 256 scattered blocks paid that 256 times.  UCP itself takes an IOV datatype
@@ -9,11 +9,12 @@ the worker handle ucxx exposes, and tracks the returned UCP requests itself.
 
 The endpoint is created and closed here too (``ucp_ep_create``, ``ucp_ep_close_nbx``), not by
 ucxx: a ucxx request holds its endpoint and worker, so one that UCX can never finish (a
-rendezvous send, or the endpoint's flush-close, towards a peer that died or is stopped: UCX
-1.21 cannot cancel a send, ``ucp_request_cancel`` only handles receives, and refuses a force
-close without error handling, ``ucp_ep_close_nbx`` returns ``UCS_ERR_INVALID_PARAM``) kept the
-worker and its descriptors alive for good.  A raw request holds nothing: when its lane drops
-the ucxx worker, ``ucp_worker_destroy`` destroys the endpoint and whatever it still holds.
+rendezvous send or receive, or the endpoint's flush-close, with a peer that died or is
+stopped: UCX 1.21's ``ucp_request_cancel`` only takes a posted receive off the expected queue,
+and ``ucp_ep_close_nbx`` refuses a force close without error handling with
+``UCS_ERR_INVALID_PARAM``) kept the worker and its descriptors alive for good.  A raw request
+holds nothing: when its lane drops the ucxx worker, ``ucp_worker_destroy`` destroys the
+endpoint and whatever it still holds.
 
 Contract: the buffers named by an IOV must stay alive and unchanged until the request completes
 (:class:`~omni_async.transport.lane.Lane` keeps them referenced).  Requests are polled with
