@@ -298,7 +298,7 @@ async def soak(requests: int, chunks: int, restarts: int, concurrency: int) -> i
     errors += [f"{key}: {n} of {chunks} chunks" for key, n in ledger.items() if n != chunks]
     growth = {k: round(end[k] - baseline[k], 1) for k in end} if baseline else {}
     # A receiver killed with sends in flight costs no descriptor: its lane's UCX worker is
-    # destroyed with the sends UCX still holds (measured: growth 1-2 after 2-3 crashes and as
+    # destroyed with the requests UCX still holds (measured: growth 1-3 after 2-3 crashes and as
     # many orderly restarts; 12 before lanes owned their endpoints and sends).
     limits = {"fds": 16, "tasks": 16, "rss_mb": 300}
     errors += [f"{k} grew by {growth[k]} (limit {limits[k]})" for k in limits if growth.get(k, 0) > limits[k]]
