@@ -47,6 +47,7 @@ bench: $(BENCH_STAMP)
 	mkdir -p bench/out
 	$(PY) -m bench blocks --plot bench/out/blocks.svg
 	$(PY) -m bench chunks --plot bench/out/chunks.svg
+	$(PY) -m bench layers
 	$(PY) -m bench idle
 
 clean:

@@ -18,12 +18,13 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from .config import AgentConfig, check_ucx_environment
 from .control import ControlConnection, ControlPlane
 from .errors import AlreadyConnected, ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import Connection, LocalIdentity, PeerInfo, Verdict, admit
+from .lifecycle import Startable
 from .metrics import Metrics, serve_metrics
 from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
 from .session import PeerSession, Phase, SessionEvent
@@ -49,7 +50,7 @@ PeerListener = Callable[[PeerEvent], None]
 SessionListener = Callable[[SessionEvent], None]
 
 
-class Agent:
+class Agent(Startable):
     """Block transfers between this process's ``region`` and its peers'.
 
     ``region`` may be a :class:`~omni_async.region.RegionSet` (one region per layer, sharing
@@ -87,7 +88,7 @@ class Agent:
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> Agent:
+    async def start(self) -> Self:
         """Open the UCX context and bind the control plane.  Returns self."""
         if self._closed:
             raise ClosedError("agent is closed")
@@ -109,12 +110,6 @@ class Agent:
             await self.close()
             raise
         return self
-
-    async def __aenter__(self) -> Agent:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Fail in-flight transfers with :class:`ClosedError`, say goodbye, stop everything.

@@ -7,20 +7,21 @@ plane + UCX transport), the connector named by the config, and every adapter mad
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from .adapter import TransferAdapter
 from .agent import Agent
 from .config import AdapterOptions, ServiceConfig, load_config
 from .connector import Connector, create_connector
 from .errors import ClosedError, ConfigError
+from .lifecycle import Startable
 from .region import BlockRegion
 
 if TYPE_CHECKING:
     from .discovery.etcd import Discovery
 
 
-class ConnectorService:
+class ConnectorService(Startable):
     """Region, agent, connector and adapters of one process, built from one config.
 
     ``region`` may wrap the caller's memory (e.g. a KV cache); by default one is allocated
@@ -41,7 +42,7 @@ class ConnectorService:
         self._discovery: Discovery | None = None
         self._closed = False
 
-    async def start(self) -> ConnectorService:
+    async def start(self) -> Self:
         """Start the agent, build the connector and, when configured, start discovery.  Returns self."""
         if self._closed:
             raise ClosedError("service is closed")
@@ -55,12 +56,6 @@ class ConnectorService:
                 await self.close()
                 raise
         return self
-
-    async def __aenter__(self) -> ConnectorService:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     @property
     def connector(self) -> Connector:

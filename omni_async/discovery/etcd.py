@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Self
 
 import aetcd
 
@@ -23,6 +23,7 @@ from ..agent import Agent, PeerEvent
 from ..auth import split_address
 from ..config import DiscoveryConfig
 from ..errors import AlreadyConnected, ClosedError, ConfigError, OmniAsyncError, ProtocolError
+from ..lifecycle import Startable
 from .card import Card, card_key, decode_card, encode_card, group_prefix, peer_id_of
 from .membership import Change, Membership, incompatibility, should_dial
 
@@ -38,7 +39,7 @@ class EtcdLost(Exception):
     """The etcd session ended (keep-alive refused, the watch stream ended)."""
 
 
-class Discovery:
+class Discovery(Startable):
     """Keeps ``agent`` registered in, and joined to, its etcd group (see the module docstring).
 
     ``await start()`` returns at once (etcd may be down: discovery keeps trying); await
@@ -75,7 +76,7 @@ class Discovery:
         self._started = self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------
-    async def start(self) -> Discovery:
+    async def start(self) -> Self:
         """Publish and watch in the background (the agent must be started).  Returns self."""
         if self._closed:
             raise ClosedError("discovery is closed")
@@ -110,12 +111,6 @@ class Discovery:
                     await lease.revoke()
         if client is not None:
             await _close_client(client)
-
-    async def __aenter__(self) -> Discovery:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     # -- what it knows ---------------------------------------------------------------------------
     @property

@@ -1,0 +1,31 @@
+"""``Startable``: the one ``async with`` protocol of the objects that own tasks and sockets.
+
+``async with X(...) as x`` is ``x = await X(...).start()`` then, whatever happens, ``await
+x.close()``.  ``start`` returns the started object; ``close`` is idempotent and leaves no task
+behind.  No I/O here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Self
+
+
+class Startable(ABC):
+    """Base of the objects used as ``async with``: :meth:`start` on entry, :meth:`close` on exit."""
+
+    __slots__ = ()
+
+    @abstractmethod
+    async def start(self) -> Self:
+        """Start (idempotent while started); return self."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop everything this object started.  Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
