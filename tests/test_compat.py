@@ -572,9 +572,7 @@ def test_close_under_a_stopped_peer_is_bounded_and_complete(child):
         again = SyncDataTransport(memoryview(block_memory()), config=config("stop-again", port=port))
         assert control_port(again) == port
         again.close()
-        if open_fds() != baseline_fds:
-            pytest.xfail("transport: a lane whose endpoint close cannot finish (peer stopped, sends pending) "
-                         "is released after its grace but keeps its UCX worker (shm segments, epoll, sockets)")
+        assert open_fds() == baseline_fds
     finally:
         c.signal(signal.SIGCONT)
 

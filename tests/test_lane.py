@@ -92,7 +92,7 @@ def test_lanes_on_two_threads_never_see_each_others_probes():
                     failures.append(f"lane {kind} probed tag {tag:#x} of {length} bytes")
                 receiver.recv_arrived_many([np.empty(length, np.uint8)], message, lambda error: None)
 
-            receiver.watch(0, 0, arrived, raw=True)
+            receiver.watch(0, 0, arrived)
             payload = np.ones(size, np.uint8)
             try:
                 async with asyncio.timeout(30):
@@ -143,3 +143,150 @@ print("ok")
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": root},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+_SILENT_PEER = """
+import asyncio, sys
+from omni_async.transport.lane import Lane, new_context
+
+async def main():
+    lane = Lane(new_context("^cma", "lo"), asyncio.get_running_loop())
+    print(lane.address.hex(), flush=True)
+    peer = await asyncio.to_thread(sys.stdin.readline)
+    if peer.strip():  # send one message of the given size to the lane at this address
+        address, size = peer.split()
+        lane.connect(bytes.fromhex(address))
+        lane.send(bytearray(int(size)), 7, lambda error: None)
+    await asyncio.sleep(3600)  # never takes a message: every rendezvous send to it stays in flight
+
+asyncio.run(main())
+"""
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+async def test_a_lane_whose_peer_died_or_stopped_with_sends_in_flight_frees_its_worker(signal_name):
+    """Rendezvous sends (64 KiB-1 MiB, contiguous and gathered) to another process that is then
+    killed or stopped can never finish, and UCX cannot cancel them: once the lane is released
+    the process holds no more descriptors than before it existed (its UCX worker is gone), it
+    lives, and another pair of lanes keeps transferring throughout."""
+    import gc
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    child = subprocess.Popen([sys.executable, "-c", _SILENT_PEER], cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+    sender, receiver = await lanes()  # the other peer, which must stay unaffected
+    got: list[int] = []
+
+    def arrived(_tag, length, message):
+        buffer = np.empty(length, np.uint8)
+        receiver.recv_arrived_many([buffer], message, lambda error: got.append(int(buffer[0])) if error is None else None)
+
+    async def healthy_pair_moves(value: int) -> None:
+        sender.send(np.full(256 * 1024, value, np.uint8), TAG, lambda error: None)
+        async with asyncio.timeout(10):
+            while value not in got:
+                await asyncio.sleep(0.001)
+
+    receiver.watch(TAG, FULL_MASK, arrived)
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+        address = bytes.fromhex(line.decode())
+        loop = asyncio.get_running_loop()
+        context = new_context("^cma", "lo")
+        warm = Lane(context, loop)  # UCX's lazy per-process state (shm segments of the first endpoint)
+        warm.connect(address)
+        await close(warm)
+        del warm
+        gc.collect()
+        baseline = _open_fds()
+
+        lane = Lane(context, loop)
+        lane.connect(address)
+        failed: list[BaseException | None] = []
+        payloads = [np.ones(size, np.uint8) for size in (64 * 1024, 256 * 1024, 1024 * 1024)]
+        for payload in payloads:
+            lane.send(payload, TAG, failed.append)
+            lane.send_many([payload[:4096], payload[4096:]], TAG, failed.append)
+        await healthy_pair_moves(1)
+        assert lane.in_flight == 2 * len(payloads) and failed == []
+        assert _open_fds() > baseline
+        child.send_signal(getattr(signal, signal_name))
+        await healthy_pair_moves(2)
+        lane.close()
+        await asyncio.wait_for(lane.wait_closed(), 10)
+        assert lane.released and len(failed) == 2 * len(payloads) and all(failed)
+        del lane
+        gc.collect()
+        assert _open_fds() == baseline
+        await healthy_pair_moves(3)
+    finally:
+        child.kill()  # a stopped process is killed too
+        child.wait()
+        await close(sender, receiver)
+
+
+async def test_a_lane_whose_peer_stopped_while_we_receive_its_message_frees_its_worker():
+    """A 1 MiB rendezvous message from another process is taken, then its sender is stopped
+    (SIGSTOP) before our receive is posted: the receive can never finish, and UCX cannot cancel
+    a receive of a taken message.  Once the lane is released the descriptors are back to
+    baseline."""
+    import gc
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    child = subprocess.Popen([sys.executable, "-c", _SILENT_PEER], cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+        address = bytes.fromhex(line.decode())
+        loop = asyncio.get_running_loop()
+        context = new_context("^cma", "lo")
+        warm = Lane(context, loop)  # UCX's lazy per-process state
+        warm.connect(address)
+        await close(warm)
+        del warm
+        gc.collect()
+        baseline = _open_fds()
+
+        lane = Lane(context, loop)
+        lane.connect(address)
+        taken: list[tuple[int, int]] = []
+        lane.watch(TAG, FULL_MASK, lambda _tag, length, message: taken.append((length, message)))
+        child.stdin.write(f"{lane.address.hex()} {1024 * 1024}\n".encode())
+        child.stdin.flush()
+        async with asyncio.timeout(10):
+            while not taken:
+                await asyncio.sleep(0.001)
+        child.send_signal(signal.SIGSTOP)
+        length, message = taken[0]
+        buffer = np.empty(length, np.uint8)
+        failed: list[BaseException | None] = []
+        lane.recv_arrived(buffer, message, failed.append)
+        await asyncio.sleep(0.1)
+        assert lane.in_flight == 1 and failed == []
+        lane.close()
+        await asyncio.wait_for(lane.wait_closed(), 10)
+        assert lane.released and len(failed) == 1 and failed[0] is not None
+        del lane
+        gc.collect()
+        assert _open_fds() == baseline
+    finally:
+        child.kill()  # a stopped process is killed too
+        child.wait()

@@ -1,11 +1,20 @@
-"""Scatter/gather tag messages: one UCX message for many buffers, via ctypes on ucxx's handles.
+"""A lane's UCP endpoint and tag messages (scattered and gathered too), via ctypes on ucxx's worker.
 
 ucxx's Python API sends one contiguous buffer per message, and each message costs 3-9 µs of
 Python; a write of 256 scattered blocks paid that 256 times.  UCP itself takes an IOV datatype
 (a list of ``(address, length)`` pairs): the sender gathers, the receiver scatters straight
 into its region rows, in one message.  This module calls ``ucp_tag_send_nbx`` and
 ``ucp_tag_msg_recv_nbx`` (after ``ucp_tag_probe_nb``) from the very libucp that ucxx loaded, on
-the endpoint and worker handles ucxx exposes, and tracks the returned UCP requests itself.
+the worker handle ucxx exposes, and tracks the returned UCP requests itself.
+
+The endpoint is created and closed here too (``ucp_ep_create``, ``ucp_ep_close_nbx``), not by
+ucxx: a ucxx request holds its endpoint and worker, so one that UCX can never finish (a
+rendezvous send or receive, or the endpoint's flush-close, with a peer that died or is
+stopped: UCX 1.21's ``ucp_request_cancel`` only takes a posted receive off the expected queue,
+and ``ucp_ep_close_nbx`` refuses a force close without error handling with
+``UCS_ERR_INVALID_PARAM``) kept the worker and its descriptors alive for good.  A raw request
+holds nothing: when its lane drops the ucxx worker, ``ucp_worker_destroy`` destroys the
+endpoint and whatever it still holds.
 
 Contract: the buffers named by an IOV must stay alive and unchanged until the request completes
 (:class:`~omni_async.transport.lane.Lane` keeps them referenced).  Requests are polled with
@@ -30,6 +39,9 @@ UCS_INPROGRESS: Final = 1
 _UCP_OP_ATTR_FIELD_DATATYPE: Final = 1 << 3
 _UCP_DATATYPE_IOV: Final = 2
 _UCS_ERR_LAST: Final = -100
+_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: Final = 1 << 0
+_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: Final = 1 << 1
+_UCP_ERR_HANDLING_MODE_NONE: Final = 0
 
 
 class _RequestParam(ctypes.Structure):
@@ -46,6 +58,26 @@ class _RequestParam(ctypes.Structure):
         ("memory_type", ctypes.c_int),
         ("recv_info", ctypes.c_void_p),
         ("memh", ctypes.c_void_p),
+    )
+
+
+class _EpParams(ctypes.Structure):
+    """``ucp_ep_params_t`` (UCX 1.21); only ``field_mask``, ``address`` and ``err_mode`` are set."""
+
+    _fields_ = (
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("err_mode", ctypes.c_int),
+        ("err_handler_cb", ctypes.c_void_p),
+        ("err_handler_arg", ctypes.c_void_p),
+        ("user_data", ctypes.c_void_p),
+        ("flags", ctypes.c_uint),
+        ("sockaddr", ctypes.c_void_p),
+        ("sockaddr_len", ctypes.c_uint32),
+        ("conn_request", ctypes.c_void_p),
+        ("name", ctypes.c_char_p),
+        ("local_sockaddr", ctypes.c_void_p),
+        ("local_sockaddr_len", ctypes.c_uint32),
     )
 
 
@@ -72,6 +104,12 @@ class _Ucp:
         self.probe = lib.ucp_tag_probe_nb
         self.probe.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
         self.probe.restype = ctypes.c_void_p
+        self.ep_create = lib.ucp_ep_create
+        self.ep_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
+        self.ep_create.restype = ctypes.c_int8
+        self.ep_close = lib.ucp_ep_close_nbx
+        self.ep_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(_RequestParam)]
+        self.ep_close.restype = ctypes.c_void_p
         self.strerror = lib.ucs_status_string
         self.strerror.argtypes = [ctypes.c_int8]
         self.strerror.restype = ctypes.c_char_p
@@ -123,12 +161,42 @@ def probe(worker: Any, tag: int, mask: int, info: RecvInfo) -> tuple[int, int, i
     return message, info.sender_tag, info.length
 
 
-def send(endpoint: Any, tag: int, iov: npt.NDArray[np.uint64]) -> int:
+def connect(worker: Any, address: bytes) -> int:
+    """Create an endpoint of ``worker`` to the worker at ``address`` (a UCP worker address),
+    without endpoint error handling; return its handle.  Raises :class:`OSError` if UCX refuses.
+
+    The endpoint is ours, not ucxx's: close it with :func:`close`, once.
+    """
+    params = _EpParams(field_mask=_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | _UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+                       address=ctypes.cast(ctypes.c_char_p(address), ctypes.c_void_p).value,
+                       err_mode=_UCP_ERR_HANDLING_MODE_NONE)
+    endpoint = ctypes.c_void_p()
+    code = _ucp().ep_create(worker.handle, ctypes.byref(params), ctypes.byref(endpoint))
+    if code != UCS_OK:
+        raise error(code)
+    return int(endpoint.value or 0)
+
+
+def close(endpoint: int) -> int:
+    """Start a flush-close of an endpoint from :func:`connect`: a request to poll (and free), or
+    0 if already closed.  Raises :class:`OSError` with UCX's reason if it could not start.
+
+    The request never holds the worker alive: whatever UCX still holds (sends to a peer that
+    died or stopped, this close) is destroyed with the worker.
+    """
+    return _checked(_ucp().ep_close(endpoint, _CONTIG_REF))
+
+
+def send(endpoint: int, tag: int, iov: npt.NDArray[np.uint64]) -> int:
     """Post one tag send gathering ``iov``; return a request to poll, or 0 if already done.
+    A single element is sent as contiguous bytes (UCX's plain path, as in :func:`recv`).
 
     Raises :class:`OSError` with UCX's reason if the send could not be posted.
     """
-    return _checked(_ucp().send(endpoint.handle, iov.ctypes.data, len(iov), tag, _PARAM_REF))
+    ucp = _ucp()
+    if len(iov) == 1:
+        return _checked(ucp.send(endpoint, int(iov[0, 0]), int(iov[0, 1]), tag, _CONTIG_REF))
+    return _checked(ucp.send(endpoint, iov.ctypes.data, len(iov), tag, _PARAM_REF))
 
 
 def recv(worker: Any, message: int, iov: npt.NDArray[np.uint64]) -> int:

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ..errors import PeerLost, ProtocolError
 from . import iov
 
@@ -48,7 +50,6 @@ _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is c
 
 ucx_api: Any = None
 """ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
-_Array: Any = None
 _load_lock = threading.Lock()
 
 
@@ -62,18 +63,17 @@ def load_ucxx() -> Any:
     os.environ, where every UCX context and every child process would pick them up: they are
     undone; our contexts get what they need through :func:`new_context`'s config.
     """
-    global ucx_api, _Array
+    global ucx_api
     with _load_lock:
         if ucx_api is None:
             os.environ.setdefault("UCX_LOG_FILE", "stderr")
             before = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
             import ucxx._lib.libucxx as api
-            from ucxx._lib.arr import Array
 
             for key in [key for key in os.environ if key.startswith("UCX_") and key not in before]:
                 del os.environ[key]
             os.environ.update(before)
-            ucx_api, _Array = api, Array
+            ucx_api = api
     return ucx_api
 
 
@@ -105,16 +105,16 @@ class Lane:
         )
         self._worker.init_blocking_progress_mode()
         self._fd: int = self._worker.epoll_file_descriptor
-        self._endpoint: Any = None
+        self._endpoint = 0  # a UCP endpoint handle (:mod:`.iov`), 0 until connected
         self._pending: deque[tuple[Any, Completion, object]] = deque()
-        self._watches: list[tuple[Any, Any, Arrival]] = []
-        self._raw_watches: list[tuple[int, int, Arrival]] = []
+        self._watches: list[tuple[int, int, Arrival]] = []
         self._probe_info = iov.RecvInfo()
         self._drive_scheduled = False
         self._spin_misses = 0
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
+        self._closing = _RawRequest(0)  # the endpoint's flush-close, once started
         self._orphans: list[tuple[Any, Completion, object]] = []
         self._close_deadline = 0.0
         self._released: asyncio.Future[None] = loop.create_future()
@@ -149,51 +149,41 @@ class Lane:
         :class:`~.vetting.AddressVetter`): UCX aborts the process on some malformed ones.
         """
         try:
-            address = ucx_api.UCXAddress.create_from_buffer(remote_address)
-            self._endpoint = self._worker.create_endpoint_from_worker_address(address, False)
-        except Exception as exc:  # UCX refused the address (unreachable, bad parameter, ...)
+            self._endpoint = iov.connect(self._worker, remote_address)
+        except OSError as exc:  # UCX refused the address (unreachable, bad parameter, ...)
             raise ProtocolError(f"cannot reach the peer's UCX worker: {exc}") from None
 
     def send(self, buffer: Any, tag: int, done: Completion) -> None:
-        """Post a tagged send of ``buffer`` (borrowed until ``done`` runs).
+        """Post a tagged send of ``buffer`` (any C-contiguous buffer, borrowed until ``done`` runs).
 
-        On a closed lane ``done`` runs at once with the reason it was closed.
+        On a closed lane ``done`` runs at once with the reason it was closed.  Sends go through
+        :mod:`.iov`, never through ucxx: a ucxx request that UCX can never finish (a rendezvous
+        send to a peer that died or stopped) would keep its endpoint and worker alive for good.
         """
-        if self._closed:
-            _run(done, self._close_reason)
-            return
-        request = self._endpoint.tag_send(_Array(buffer), ucx_api.UCXXTag(tag))
-        self._track(request, done, buffer)
+        self.send_many([np.frombuffer(buffer, np.uint8)], tag, done)
 
-    def watch(self, tag: int, mask: int, on_arrival: Arrival, *, raw: bool = False) -> None:
+    def watch(self, tag: int, mask: int, on_arrival: Arrival) -> None:
         """Hand every message whose tag matches ``tag`` under ``mask`` to ``on_arrival``.
 
-        Nothing stays posted for such messages, so closing the lane never leaves a UCX request
-        behind (a posted receive would keep the worker alive after close).  ``on_arrival``
-        must take each message: with :meth:`recv_arrived` (a ucxx probe result), or, for a
-        ``raw`` watch, with :meth:`recv_arrived_many` (a UCP message handle, see :mod:`.iov`).
+        Nothing stays posted for such messages, so closing the lane never leaves a receive
+        behind.  ``on_arrival`` must take each message (a UCP message handle, see :mod:`.iov`)
+        with :meth:`recv_arrived` or :meth:`recv_arrived_many`.
         """
-        if raw:
-            self._raw_watches.append((tag, mask, on_arrival))
-        else:
-            self._watches.append((ucx_api.UCXXTag(tag), ucx_api.UCXXTagMask(mask), on_arrival))
+        self._watches.append((tag, mask, on_arrival))
         self._schedule_drive()
 
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
         """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
-        ``done`` runs).  A single buffer goes through ucxx; several through :mod:`.iov`."""
-        if len(buffers) == 1:
-            self.send(buffers[0], tag, done)
-        else:
-            self._post_raw(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
+        ``done`` runs)."""
+        self._post(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
 
     def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
-        """Receive a message taken by a ``raw`` watch, scattered over ``buffers`` (their sizes
-        must add up to its length; borrowed until ``done`` runs)."""
-        self._post_raw(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
+        """Receive a message taken by a watch, scattered over ``buffers`` (their sizes must add
+        up to its length; borrowed until ``done`` runs)."""
+        self._post(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
 
-    def _post_raw(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
-        """Post a :mod:`.iov` request over ``buffers`` and track it like a ucxx request."""
+    def _post(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
+        """Post a :mod:`.iov` request over ``buffers`` and track it until it completes."""
         if self._closed:
             _run(done, self._close_reason)
             return
@@ -205,13 +195,10 @@ class Lane:
             return
         self._track(_RawRequest(handle), done, (buffers, vector))
 
-    def recv_arrived(self, buffer: Any, message: Any, done: Completion) -> None:
-        """Receive an arrived ``message`` into ``buffer`` (at least its length, borrowed)."""
-        if self._closed:
-            _run(done, self._close_reason)
-            return
-        # The probe result owns the UCX message handle: keep it alive with the buffer.
-        self._track(self._worker.tag_recv_with_handle(_Array(buffer), message), done, (buffer, message))
+    def recv_arrived(self, buffer: Any, message: int, done: Completion) -> None:
+        """Receive a message taken by a watch into ``buffer`` (any writable C-contiguous buffer
+        of at least its length, borrowed until ``done`` runs)."""
+        self.recv_arrived_many([np.frombuffer(buffer, np.uint8)], message, done)
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
@@ -287,22 +274,12 @@ class Lane:
         if some may be left (the caller comes back before sleeping)."""
         more = False
         for tag, mask, on_arrival in self._watches:
-            for _ in range(_MAX_ARRIVALS):
-                if self._closed:
-                    return False
-                message = self._worker.tag_probe(tag, mask, remove=True)
-                if not message.matched:
-                    break
-                _run(on_arrival, message.sender_tag.value, message.length, message)
-            else:
-                more = True
-        for raw_tag, raw_mask, on_raw in self._raw_watches:
-            more = self._take_raw(raw_tag, raw_mask, on_raw) or more
+            more = self._take(tag, mask, on_arrival) or more
         if not more and self.on_stray is not None:  # every watched message is taken by now
-            more = self._take_raw(0, 0, self.on_stray)
+            more = self._take(0, 0, self.on_stray)
         return more
 
-    def _take_raw(self, tag: int, mask: int, on_raw: Arrival) -> bool:
+    def _take(self, tag: int, mask: int, on_arrival: Arrival) -> bool:
         for _ in range(_MAX_ARRIVALS):
             if self._closed:
                 return False
@@ -310,7 +287,7 @@ class Lane:
             if found is None:
                 return False
             handle, sender_tag, length = found
-            _run(on_raw, sender_tag, length, handle)
+            _run(on_arrival, sender_tag, length, handle)
         return True
 
     def _reap(self, everything: bool) -> None:
@@ -338,11 +315,12 @@ class Lane:
         Idempotent and never blocks.  From now on no completion runs; borrowed buffers stay
         referenced until the lane is released (UCX may still fill a posted receive while the
         close is progressed).  The endpoint close is a UCX flush-close that completes within
-        milliseconds even towards a dead peer, but only while the worker is progressed: the
-        lane progresses it every few milliseconds (for at most ``_CLOSE_GRACE`` seconds), then
-        releases the worker.  Await :meth:`wait_closed` to know it is released.
-        (ucxx's own endpoint destructor would instead flush-close *blocking*, forever if the
-        peer cannot answer; dropping the endpoint without progressing leaks the worker.)
+        milliseconds, but only while the worker is progressed and the peer's worker answers:
+        the lane progresses it every few milliseconds (for at most ``_CLOSE_GRACE`` seconds),
+        then releases the worker.  Await :meth:`wait_closed` to know it is released.  Released
+        means destroyed, whatever UCX still holds (rendezvous sends to a peer that died or is
+        stopped, the close itself): no request of a lane is a ucxx object, so nothing keeps the
+        worker alive (see :mod:`.iov`).
         """
         if self._closed:
             return
@@ -356,12 +334,16 @@ class Lane:
         self._orphans = pending
         for _request, done, _ in pending:
             _run(done, self._close_reason)
-        if self._endpoint is None:
+        if not self._endpoint:
             self._release()
             return
         self._close_deadline = self._loop.time() + _CLOSE_GRACE
-        self._endpoint.set_close_callback(self._endpoint_closed)
-        self._endpoint.close()  # may call _endpoint_closed at once
+        try:
+            self._closing = _RawRequest(iov.close(self._endpoint))
+        except OSError as exc:  # the worker is destroyed anyway, and the endpoint with it
+            log.info("UCX refused to close an endpoint (%s); releasing the lane", exc)
+            self._close_deadline = self._loop.time()
+        self._endpoint = 0
         self._close_tick()
 
     @property
@@ -373,18 +355,17 @@ class Lane:
         """Wait until :meth:`close` has released the worker (at most ``_CLOSE_GRACE`` seconds)."""
         await asyncio.shield(self._released)
 
-    def _endpoint_closed(self, *_args: object) -> None:
-        # Keep answering the peer a little longer: its own close still needs this worker, and
-        # destroying it at once makes UCX log "connection reset" errors on the peer's side.
-        self._endpoint_done = True
-        self._close_deadline = min(self._close_deadline, self._loop.time() + _CLOSE_LINGER)
-
     def _close_tick(self) -> None:
         if self._released.done():
             return
         worker = self._worker
         while worker.progress_once():
             pass
+        if not self._endpoint_done and self._closing.completed:
+            # Keep answering the peer a little longer: its own close still needs this worker,
+            # and destroying it at once makes UCX log "connection reset" errors on its side.
+            self._endpoint_done = True
+            self._close_deadline = min(self._close_deadline, self._loop.time() + _CLOSE_LINGER)
         if self._loop.time() > self._close_deadline:
             if not self._endpoint_done:
                 log.warning("UCX endpoint close did not finish in %ss; releasing the lane anyway", _CLOSE_GRACE)
@@ -396,10 +377,11 @@ class Lane:
         for request, _done, _keep in self._orphans:
             if isinstance(request, _RawRequest):
                 request.release()
-        self._endpoint = None
+        self._closing.release()
+        # Destroys the UCP worker with its endpoint and every request UCX still holds (UCX
+        # warns about those: "was not returned to mpool"), before the borrowed buffers below
+        # are let go: nothing can write into them any more.
         self._worker = None
-        # Requests still pending here are never progressed again, so their buffers are safe
-        # to free; a request UCX still holds keeps the worker alive (logged above).
         self._orphans = []
         if not self._released.done():
             self._released.set_result(None)

@@ -274,7 +274,7 @@ class UcxTransport:
             link.direct = open_writers(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
-        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link), raw=True)
+        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
         lane.on_stray = partial(self._stray_arrived, link)
         # Acknowledgements come through the ring once there is one: the lane need not spin.
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
