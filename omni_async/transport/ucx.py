@@ -95,7 +95,7 @@ log = logging.getLogger(__name__)
 
 _GATHER_MAX_RUN = 256 * 1024
 """Writes whose runs average less than this many bytes are gathered into one message."""
-DRAIN_TIMEOUT = 2.0
+DRAIN_TIMEOUT = 1.0
 """Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
 _DRAIN_TICK = 0.005
 
