@@ -1,6 +1,8 @@
 """One lane, or two lanes in one process, over real UCX workers."""
 
 import asyncio
+import gc
+import subprocess
 
 import numpy as np
 import pytest
@@ -120,7 +122,6 @@ def test_importing_the_transport_has_no_side_effects():
     """No environment edit and no UCX library loaded at import; both happen on first use
     (ucxx's GPU UCX_* writes undone, UCX_LOG_FILE defaulted to stderr)."""
     import os
-    import subprocess
     import sys
 
     code = """
@@ -169,16 +170,33 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+async def _lane_to(child: subprocess.Popen[bytes], context: object) -> tuple[Lane, int]:
+    """A lane of ``context`` (the caller keeps it alive) connected to the address ``child``
+    prints, and this process's descriptor count before it (a warm-up lane pays UCX's lazy
+    per-process state, e.g. shm segments, first)."""
+    assert child.stdout is not None
+    line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
+    address = bytes.fromhex(line.decode())
+    loop = asyncio.get_running_loop()
+    warm = Lane(context, loop)
+    warm.connect(address)
+    await close(warm)
+    del warm
+    gc.collect()
+    baseline = _open_fds()
+    lane = Lane(context, loop)
+    lane.connect(address)
+    return lane, baseline
+
+
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
 async def test_a_lane_whose_peer_died_or_stopped_with_sends_in_flight_frees_its_worker(signal_name):
     """Rendezvous sends (64 KiB-1 MiB, contiguous and gathered) to another process that is then
     killed or stopped can never finish, and UCX cannot cancel them: once the lane is released
     the process holds no more descriptors than before it existed (its UCX worker is gone), it
     lives, and another pair of lanes keeps transferring throughout."""
-    import gc
     import os
     import signal
-    import subprocess
     import sys
 
     from .conftest import ROOT
@@ -200,20 +218,8 @@ async def test_a_lane_whose_peer_died_or_stopped_with_sends_in_flight_frees_its_
 
     receiver.watch(TAG, FULL_MASK, arrived)
     try:
-        assert child.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
-        address = bytes.fromhex(line.decode())
-        loop = asyncio.get_running_loop()
         context = new_context("^cma", "lo")
-        warm = Lane(context, loop)  # UCX's lazy per-process state (shm segments of the first endpoint)
-        warm.connect(address)
-        await close(warm)
-        del warm
-        gc.collect()
-        baseline = _open_fds()
-
-        lane = Lane(context, loop)
-        lane.connect(address)
+        lane, baseline = await _lane_to(child, context)
         failed: list[BaseException | None] = []
         payloads = [np.ones(size, np.uint8) for size in (64 * 1024, 256 * 1024, 1024 * 1024)]
         for payload in payloads:
@@ -242,10 +248,8 @@ async def test_a_lane_whose_peer_stopped_while_we_receive_its_message_frees_its_
     (SIGSTOP) before our receive is posted: the receive can never finish, and UCX cannot cancel
     a receive of a taken message.  Once the lane is released the descriptors are back to
     baseline."""
-    import gc
     import os
     import signal
-    import subprocess
     import sys
 
     from .conftest import ROOT
@@ -253,20 +257,9 @@ async def test_a_lane_whose_peer_stopped_while_we_receive_its_message_frees_its_
     child = subprocess.Popen([sys.executable, "-c", _SILENT_PEER], cwd=ROOT, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT})
     try:
-        assert child.stdout is not None and child.stdin is not None
-        line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
-        address = bytes.fromhex(line.decode())
-        loop = asyncio.get_running_loop()
+        assert child.stdin is not None
         context = new_context("^cma", "lo")
-        warm = Lane(context, loop)  # UCX's lazy per-process state
-        warm.connect(address)
-        await close(warm)
-        del warm
-        gc.collect()
-        baseline = _open_fds()
-
-        lane = Lane(context, loop)
-        lane.connect(address)
+        lane, baseline = await _lane_to(child, context)
         taken: list[tuple[int, int]] = []
         lane.watch(TAG, FULL_MASK, lambda _tag, length, message: taken.append((length, message)))
         child.stdin.write(f"{lane.address.hex()} {1024 * 1024}\n".encode())
