@@ -54,3 +54,18 @@ async def test_checks_have_a_deadline_and_a_bound():
         await vetter.check(good, timeout=5)  # and a good address still passes
     finally:
         await asyncio.get_running_loop().run_in_executor(None, vetter.close)
+
+
+async def test_servers_are_retired_and_legitimate_checks_keep_passing():
+    """A server is retired after SERVER_CHECKS checks (its never-progressed endpoints only
+    grow); checks on either side of each retirement pass."""
+    from omni_async.transport.vetting import SERVER_CHECKS
+
+    vetter = AddressVetter("^cma", "lo", workers=1)
+    try:
+        good = real_address()
+        for _ in range(2 * SERVER_CHECKS + 3):
+            await vetter.check(good, timeout=30)
+        assert vetter.refused == 0
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, vetter.close)

@@ -47,6 +47,9 @@ WORKERS: Final = 2
 """Checks that run at once (each on its own server process)."""
 MAX_PENDING: Final = 256
 """Checks that may wait; more are refused at once."""
+SERVER_CHECKS: Final = 32
+"""Checks one server makes before it is retired: each check leaves an endpoint its worker never
+progresses (closing it would wait on the peer), so a server's UCX resources only grow."""
 _START_TIMEOUT: Final = 30.0  # seconds the zygote may take to import ucxx
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
@@ -68,6 +71,7 @@ class AddressVetter:
         self._running = 0
         self._waiting: list[_Waiter] = []  # a stack: newest first
         self._idle: list[socket.socket] = []  # servers ready for a check
+        self._checks: dict[socket.socket, int] = {}  # checks each live server has made
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_sock: socket.socket | None = None
         self._zygote_start = threading.RLock()  # starting, stopping or writing to the zygote
@@ -104,6 +108,7 @@ class AddressVetter:
         a later check starts them again."""
         with self._lock:
             idle, self._idle = self._idle, []
+            self._checks.clear()
         for server in idle:
             server.close()  # the server reads EOF and exits
         with self._zygote_start:
@@ -148,9 +153,18 @@ class AddressVetter:
 
     # -- one check -------------------------------------------------------------------------------
     async def _vet(self, address: bytes) -> bool:
-        loop = asyncio.get_running_loop()
         with self._lock:
             server = self._idle.pop() if self._idle else None
+        verdict = await self._vet_on(server, address)
+        if verdict is None and server is not None:  # a reused server died: a fresh one decides
+            verdict = await self._vet_on(None, address)
+        if verdict is None:
+            log.warning("a %d-byte peer address crashed the vetting child", len(address))
+        return bool(verdict)
+
+    async def _vet_on(self, server: socket.socket | None, address: bytes) -> bool | None:
+        """The verdict of ``server`` (None: fork a fresh one), or None if it died or failed."""
+        loop = asyncio.get_running_loop()
         try:
             if server is None:
                 server = await self._new_server()
@@ -161,16 +175,25 @@ class AddressVetter:
             answer = b""
         except BaseException:  # timed out or cancelled mid-exchange: the server's state is unknown
             if server is not None:
+                with self._lock:
+                    self._checks.pop(server, None)
                 server.close()
             raise
         if answer in (OK, BAD):
+            assert server is not None
             with self._lock:
-                self._idle.append(server)  # type: ignore[arg-type]
+                checks = self._checks[server] = self._checks.get(server, 0) + 1
+                if checks < SERVER_CHECKS:
+                    self._idle.append(server)
+                else:  # retired: it reads EOF and exits; the next check forks a fresh one
+                    del self._checks[server]
+                    server.close()
             return answer == OK
         if server is not None:
+            with self._lock:
+                self._checks.pop(server, None)
             server.close()
-        log.warning("a %d-byte peer address crashed the vetting child", len(address))
-        return False
+        return None
 
     async def _new_server(self) -> socket.socket:
         """A fresh server forked by the zygote, ready to vet."""
