@@ -42,9 +42,15 @@ async def watch(tmux: Tmux, names: list[str], until: str, seconds: float = 45) -
 
 
 async def started(tmux: Tmux, name: str, text: str) -> None:
-    async with asyncio.timeout(30):
-        while text not in await asyncio.to_thread(tmux.screen, name):
-            await asyncio.sleep(0.1)
+    """Wait until ``text`` shows in pane ``name`` (scrolled-off lines included); on timeout,
+    fail with what the pane printed."""
+    screen = ""
+    try:
+        async with asyncio.timeout(30):
+            while text not in (screen := await asyncio.to_thread(tmux.screen, name, history=True)):
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        pytest.fail(f"{text!r} never showed in pane {name!r}; it shows:\n{screen}")
 
 
 async def test_recv_and_send_draw_progress_bars_on_a_terminal(tmux: Tmux) -> None:
@@ -69,5 +75,5 @@ async def test_json_mode_on_a_terminal_prints_only_json(tmux: Tmux) -> None:
     assert not any(_RECEIVING.search(c["recv"]) or _SENDING.search(c["send"]) for c in captures)
     for name in ("recv", "send"):
         await started(tmux, name, '"ok": true')
-        lines = [line for line in (await asyncio.to_thread(tmux.screen, name)).splitlines() if line.strip()]
+        lines = [line for line in (await asyncio.to_thread(tmux.screen, name, history=True)).splitlines() if line.strip()]
         assert lines and all(isinstance(json.loads(line), dict) for line in lines), lines

@@ -34,9 +34,11 @@ class Tmux:
         command = " ".join([f"env PYTHONPATH={ROOT} UCX_NET_DEVICES=lo", sys.executable, "-m", "omni_async.cli", *argv])
         self._tmux("new-session", "-d", "-s", name, "-x", str(width), "-y", "40", "-c", str(ROOT), command)
 
-    def screen(self, name: str) -> str:
-        """What the session's pane shows now (lines the terminal wrapped joined again)."""
-        return self._tmux("capture-pane", "-p", "-J", "-t", name)
+    def screen(self, name: str, *, history: bool = False) -> str:
+        """What the session's pane shows now (lines the terminal wrapped joined again); with
+        ``history``, everything it printed, lines scrolled off the top included."""
+        scrollback = ["-S", "-"] if history else []
+        return self._tmux("capture-pane", "-p", "-J", *scrollback, "-t", name)
 
     def close(self) -> None:
         subprocess.run([*self.prefix, "kill-server"], capture_output=True, timeout=10)
