@@ -309,11 +309,8 @@ class Lane:
         for request, done, _ in finished:
             _run(done, _request_error(request))
 
-    def close(self, reason: BaseException | None = None, *, linger: bool = True) -> None:
+    def close(self, reason: BaseException | None = None) -> None:
         """Fail every pending request with ``reason``, then close the endpoint in the background.
-
-        ``linger=False`` (the peer is gone or stopped answering: nobody would complete a
-        flush-close) releases the worker at once instead.
 
         Idempotent and never blocks.  From now on no completion runs; borrowed buffers stay
         referenced until the lane is released (UCX may still fill a posted receive while the
@@ -337,8 +334,7 @@ class Lane:
         self._orphans = pending
         for _request, done, _ in pending:
             _run(done, self._close_reason)
-        if not self._endpoint or not linger:
-            self._endpoint = 0
+        if not self._endpoint:
             self._release()
             return
         self._close_deadline = self._loop.time() + _CLOSE_GRACE

@@ -366,37 +366,32 @@ class UcxTransport:
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
         else:
-            self._release_link(link, error, linger=False)
+            self._release_link(link, error)
         return True
 
-    def _release_link(self, link: _Link, error: OmniAsyncError, *, linger: bool) -> None:
+    def _release_link(self, link: _Link, error: OmniAsyncError) -> None:
         """Let go of everything a removed peer owned: payload messages whose header never came
         are taken (truncated into scratch), so UCX is not left holding probed messages nobody
-        received; the buffers announced for it are dropped; its lane closes (without waiting for
-        a flush-close unless ``linger``: a lost peer, or one that never drained, cannot answer)."""
+        received; the buffers announced for it are dropped; its lane closes."""
         for message in link.inbox.release():
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
-        self.discard_lane(link.lane, error, linger=linger)
+        self.discard_lane(link.lane, error)
 
     async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
         """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
         deadline = self._loop.time() + DRAIN_TIMEOUT
-        drained = False
         try:
-            while not (drained := link.peer_left and link.lane.in_flight == 0 and not link.inbox.expecting):
+            while not (link.peer_left and link.lane.in_flight == 0 and not link.inbox.expecting):
                 if self._loop.time() > deadline:
                     log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
                     break
                 await asyncio.sleep(_DRAIN_TICK)  # only while a lane drains, at most DRAIN_TIMEOUT
         finally:
-            self._release_link(link, error, linger=drained)
+            self._release_link(link, error)
 
-    def discard_lane(self, lane: Lane, error: BaseException | None = None, *, linger: bool = True) -> None:
-        """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it.
-
-        ``linger``: let the endpoint's flush-close finish (bounded) before the worker goes; off
-        for a peer that cannot answer (lost, or it never drained)."""
-        lane.close(error, linger=linger)
+    def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
+        """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
+        lane.close(error)
         self._closing = {other for other in self._closing if not other.released}
         self._closing.add(lane)
 
