@@ -55,7 +55,7 @@ async def test_read_of_a_peer_that_does_not_allow_it_fails_before_any_io(make_ag
         a.read_blocks("b", [0], [0])
     assert a.transport.in_flight() == [] and a.stats()["in_flight"] == 0
     # A peer that asks anyway (bypassing its own check) is refused, and nothing is written.
-    link = a.transport._links["b"]
+    link = a.transport.links["b"]
     link.lane.send(encode_header(ReadRequest(1 << 40, [(0, 0, 64)])), HEADER_TAG, lambda _e: None)
     async with asyncio.timeout(5):
         while not b.stats().get("received.blocks.reads_not_allowed"):

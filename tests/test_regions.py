@@ -63,7 +63,7 @@ async def test_a_block_index_moves_the_block_in_every_region(make_set_agent, lan
     b = await make_set_agent(RegionSet.allocate(64, lens), peer_id="b", allow_reads=True, **lane)
     await asyncio.wait_for(a.connect(b.control_address), 5)
     await asyncio.wait_for(b.wait_for_peer("a"), 5)
-    assert (a.transport._links["b"].direct is not None) == lane["same_host_lane"]
+    assert (a.transport.links["b"].direct is not None) == lane["same_host_lane"]
     fill(a.regions, 1)
     local, remote = [5, 6, 7, 30, 2, 63, 0], [10, 11, 12, 1, 40, 0, 63]
     write = a.write_blocks("b", local, remote, notice=b"layers")

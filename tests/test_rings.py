@@ -157,7 +157,7 @@ async def pair(make_agent, **config):
     b = await make_agent(16, 4096, peer_id="b", **config)
     await asyncio.wait_for(a.connect(b.control_address), 10)
     await asyncio.wait_for(b.wait_for_peer("a"), 10)
-    links = a.transport._links["b"], b.transport._links["a"]
+    links = a.transport.links["b"], b.transport.links["a"]
     async with asyncio.timeout(5):
         while config.get("same_host_lane", True) and not all(link.ring_out for link in links):
             await asyncio.sleep(0.01)
@@ -175,8 +175,8 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     a, b = await pair(make_agent)
     got = []
     b.set_message_sink(lambda peer, key, meta, frames: got.append((key, meta, [bytes(f) for f in frames])))
-    tags_a = count_header_sends(a.transport._links["b"].lane)
-    tags_b = count_header_sends(b.transport._links["a"].lane)
+    tags_a = count_header_sends(a.transport.links["b"].lane)
+    tags_b = count_header_sends(b.transport.links["a"].lane)
     a.region.array[3] = 7
     await asyncio.wait_for(a.write_blocks("b", [3], [4]), 5)
     frames = [np.arange(1000, dtype=np.uint8), np.zeros(0, np.uint8), np.full(5, 9, np.uint8)]
@@ -184,13 +184,13 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert (b.region.array[4] == 7).all()
     assert got == [("k", b"meta", [bytes(f) for f in frames])]
     assert tags_a == [] and tags_b == []  # neither the header, nor the acks went over UCX
-    assert b.transport._links["a"].ring_in.wakeups > 0
+    assert b.transport.links["a"].ring_in.wakeups > 0
 
 
 async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     """After traffic, each ring spins at most once more, then sleeps until a record comes."""
     a, b = await pair(make_agent)
-    rings = [a.transport._links["b"].ring_in, b.transport._links["a"].ring_in]
+    rings = [a.transport.links["b"].ring_in, b.transport.links["a"].ring_in]
     b.set_message_sink(lambda *_message: None)
     for _ in range(20):
         await asyncio.wait_for(a.send_message("b", "k", b"", [np.ones(10, np.uint8)]), 5)
@@ -204,7 +204,7 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
 
 async def test_switch_off_leaves_everything_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
-    assert a.transport._links["b"].ring_in is None and a.transport._links["b"].ring_out is None
+    assert a.transport.links["b"].ring_in is None and a.transport.links["b"].ring_out is None
     await asyncio.wait_for(a.write_blocks("b", [1], [2]), 5)
 
 
@@ -212,7 +212,7 @@ async def test_a_message_larger_than_the_ring_goes_over_ucx(make_agent):
     a, b = await pair(make_agent, max_message_bytes=16 << 20)
     got = []
     b.set_message_sink(lambda peer, key, meta, frames: got.append(frames[0].nbytes))
-    tags = count_header_sends(a.transport._links["b"].lane)
+    tags = count_header_sends(a.transport.links["b"].lane)
     big = samehost.RING_CAPACITY // 2 + 1
     await asyncio.wait_for(a.send_message("b", "big", b"", [np.ones(big, np.uint8)]), 10)
     assert got == [big] and HEADER_TAG in tags
@@ -224,14 +224,14 @@ async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
     a, b = await pair(make_agent)
     got = []
     b.set_message_sink(lambda peer, key, meta, frames: got.append((key, int(frames[0][0]))))
-    tags = count_header_sends(a.transport._links["b"].lane)
+    tags = count_header_sends(a.transport.links["b"].lane)
     size = samehost.RING_CAPACITY // 8
     frames = [np.full(size, i, np.uint8) for i in range(40)]  # 5x the ring
     transfers = [a.send_message("b", f"k{i}", b"", [frame]) for i, frame in enumerate(frames)]
-    assert a.transport._links["b"].parked
+    assert a.transport.links["b"].parked
     await asyncio.wait_for(asyncio.gather(*transfers), 20)
     assert got == [(f"k{i}", i) for i in range(40)]
-    assert tags == [] and not a.transport._links["b"].parked
+    assert tags == [] and not a.transport.links["b"].parked
 
 
 @pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye"])
@@ -239,7 +239,7 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
     """A peer that writes garbage into our ring: a typed error, the peer dropped, this
     process keeps serving others."""
     a, b = await pair(make_agent)
-    ring = a.transport._links["b"].ring_out
+    ring = a.transport.links["b"].ring_out
     producer = ring._producer
     if garbage == "head":
         producer._ctl[0] = producer._head + 3 * samehost.RING_CAPACITY + 3
@@ -272,8 +272,8 @@ def open_links() -> set[str]:
 
 async def test_removing_a_peer_releases_both_rings(make_agent):
     a, b = await pair(make_agent)
-    ours = a.transport._links["b"].ring_in
-    theirs = a.transport._links["b"].ring_out.token
+    ours = a.transport.links["b"].ring_in
+    theirs = a.transport.links["b"].ring_out.token
     mine = ours.offer().token
     pipe = os.readlink(f"/proc/self/fd/{ours.fds[1]}")
     assert pipe.startswith("pipe:") and len(mapped(theirs)) == 2  # b's mapping of its ring, and ours
@@ -294,7 +294,7 @@ async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_
     peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), 16, 4096, {"peer_id": "rx"})
     agent = await make_agent(16, 4096, peer_id="tx")
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
-    link = agent.transport._links["rx"]
+    link = agent.transport.links["rx"]
     async with asyncio.timeout(5):
         while link.ring_out is None:
             await asyncio.sleep(0.01)
@@ -330,7 +330,7 @@ async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn
     agent.set_message_sink(lambda peer, key, meta, frames: received.append(key))
     sender = await spawn_peer("chat", str(tmp_path / "c.memfd"), 16, 4096, {"peer_id": "tx"}, agent.control_address)
     assert sender.info == {"connected": "rx"}
-    link = agent.transport._links["tx"]
+    link = agent.transport.links["tx"]
     async with asyncio.timeout(5):
         while len(received) < 200:
             await asyncio.sleep(0.01)

@@ -32,9 +32,10 @@ import inspect
 import itertools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from functools import partial
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -137,8 +138,9 @@ class _Sent:
 
 
 @dataclass(eq=False)
-class _Link:
-    """Everything the transport keeps about one peer."""
+class PeerLink:
+    """Everything the transport keeps about one peer (read-only outside this module: see
+    :attr:`UcxTransport.links`)."""
 
     peer: PeerInfo
     lane: Lane
@@ -230,7 +232,7 @@ class UcxTransport:
         self._fault = fault
         self._loop = asyncio.get_running_loop()
         self._context = new_context(config.ucx_tls, config.ucx_net_devices)
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, PeerLink] = {}
         self._ids = itertools.count(1)
         self._vetter = shared_vetter(config.ucx_tls, config.ucx_net_devices)
         self._closing: set[Lane] = set()
@@ -264,7 +266,7 @@ class UcxTransport:
         self._check_open()
         if peer.peer_id in self._links:
             raise RuntimeError(f"peer {peer.peer_id!r} still has a lane")  # the owner's bug
-        link = _Link(
+        link = PeerLink(
             peer,
             lane,
             gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
@@ -280,7 +282,7 @@ class UcxTransport:
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
         self._offer_ring(link)
 
-    def _offer_ring(self, link: _Link) -> None:
+    def _offer_ring(self, link: PeerLink) -> None:
         """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
         if not (self.config.same_host_lane and self.host_id and link.peer.host_id == self.host_id):
             return
@@ -297,7 +299,7 @@ class UcxTransport:
         link.ring_in = ring
         link.lane.send(encode_header(ring.offer()), HEADER_TAG, _ignore)
 
-    def _on_ring_offer(self, link: _Link, offer: RingOffer) -> None:
+    def _on_ring_offer(self, link: PeerLink, offer: RingOffer) -> None:
         """The peer offers its ring: send through it from now on (if it can be mapped)."""
         if link.ring_out is not None or link.ring_in is None:
             log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
@@ -307,7 +309,7 @@ class UcxTransport:
         except (Refused, OSError, ValueError) as exc:
             log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
 
-    def _ring_record(self, link: _Link, kind: int, payload: memoryview) -> None:
+    def _ring_record(self, link: PeerLink, kind: int, payload: memoryview) -> None:
         """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
         header = decode_header(payload)
         if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
@@ -317,11 +319,11 @@ class UcxTransport:
         else:
             raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
 
-    def _ring_broke(self, link: _Link, error: ProtocolError) -> None:
+    def _ring_broke(self, link: PeerLink, error: ProtocolError) -> None:
         link.ring_in = None
         self._fault(link.peer.peer_id, error)
 
-    def _send_header(self, link: _Link, header: DataHeader, done: Completion) -> None:
+    def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
         """Send a header through the peer's ring if there is one with room, else over UCX."""
         data = encode_header(header)
         ring = link.ring_out
@@ -369,7 +371,7 @@ class UcxTransport:
             self._release_link(link, error)
         return True
 
-    def _release_link(self, link: _Link, error: OmniAsyncError) -> None:
+    def _release_link(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Let go of everything a removed peer owned: payload messages whose header never came
         are taken (truncated into scratch), so UCX is not left holding probed messages nobody
         received; the buffers announced for it are dropped; its lane closes."""
@@ -377,7 +379,7 @@ class UcxTransport:
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
         self.discard_lane(link.lane, error)
 
-    async def _drain_lane(self, link: _Link, error: OmniAsyncError) -> None:
+    async def _drain_lane(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
         deadline = self._loop.time() + DRAIN_TIMEOUT
         try:
@@ -403,6 +405,12 @@ class UcxTransport:
     @property
     def peer_ids(self) -> list[str]:
         return list(self._links)
+
+    @property
+    def links(self) -> Mapping[str, PeerLink]:
+        """The live per-peer state, by peer id: a read-only view for diagnostics and tests
+        (which lane, ring or same-host writer a peer uses).  Never modify what it holds."""
+        return MappingProxyType(self._links)
 
     def peer(self, peer_id: str) -> PeerInfo:
         return self._link(peer_id).peer
@@ -451,7 +459,7 @@ class UcxTransport:
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
         return self._write_runs(link, runs, len(local_idxs), notice)
 
-    def _write_runs(self, link: _Link, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:
+    def _write_runs(self, link: PeerLink, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:
         """Write checked runs (``local``: our rows, ``remote``: the peer's) to the peer."""
         block_bytes = self.regions.block_bytes
         layers = len(self._arrays)
@@ -524,7 +532,7 @@ class UcxTransport:
         _carry_out(link.outbox.submit(transfer.id, requests))
         return transfer
 
-    def _on_read(self, link: _Link, req: ReadRequest) -> None:
+    def _on_read(self, link: PeerLink, req: ReadRequest) -> None:
         """A peer asks for our rows: write them into its region, then acknowledge the read
         once that write is acknowledged (or refuse it, with the reason)."""
         if self._closed or self._links.get(link.peer.peer_id) is not link:
@@ -545,7 +553,7 @@ class UcxTransport:
         answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_bytes)
         write.add_done_callback(lambda done: answer(done.error()))
 
-    def _post_write(self, link: _Link, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
+    def _post_write(self, link: PeerLink, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
         """Send one write request (within the receiver's limits) and its payload."""
         seq = link.outbox.take_seq(1 if gather else len(runs) * len(self._arrays))
         header = _write_request(transfer_id, seq, runs, tag, gathered=gather)
@@ -559,7 +567,7 @@ class UcxTransport:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
 
-    def _place(self, link: _Link, transfer_id: int, runs: list[Run], tag: _Tag | None) -> None:
+    def _place(self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
@@ -591,18 +599,18 @@ class UcxTransport:
             link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
 
     @staticmethod
-    def _drop_direct(link: _Link) -> None:
+    def _drop_direct(link: PeerLink) -> None:
         direct, link.direct = link.direct, None
         if direct is not None:
             direct.close()
 
     @staticmethod
-    def _drop_ring_out(link: _Link) -> None:
+    def _drop_ring_out(link: PeerLink) -> None:
         ring, link.ring_out = link.ring_out, None
         if ring is not None:
             ring.close()
 
-    def _drop_rings(self, link: _Link) -> None:
+    def _drop_rings(self, link: PeerLink) -> None:
         self._drop_ring_out(link)
         ring, link.ring_in = link.ring_in, None
         if ring is not None:
@@ -629,7 +637,7 @@ class UcxTransport:
         return transfer
 
     def _post_message(
-        self, link: _Link, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
+        self, link: PeerLink, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
     ) -> None:
         message = (transfer_id, key, meta, sizes, payload)
         if link.ring_out is not None and not link.parked:
@@ -644,7 +652,7 @@ class UcxTransport:
             return
         self._lane_message(link, message)
 
-    def _lane_message(self, link: _Link, message: _Message) -> None:
+    def _lane_message(self, link: PeerLink, message: _Message) -> None:
         transfer_id, key, meta, sizes, payload = message
         seq = link.outbox.take_seq(1)
         header = MessageHeader(transfer_id, seq, key, meta, sizes)
@@ -654,12 +662,12 @@ class UcxTransport:
             link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
 
     @staticmethod
-    def _may_park(link: _Link, waiting: int) -> bool:
+    def _may_park(link: PeerLink, waiting: int) -> bool:
         """A message may wait for room in the ring only while some other transfer awaits an
         answer: the answers free room (and run :meth:`_unpark`), so a wait always ends."""
         return len(link.sent) > waiting
 
-    def _unpark(self, link: _Link) -> None:
+    def _unpark(self, link: PeerLink) -> None:
         """Post the messages waiting for room in the ring, in order, as far as it has room;
         through the lane once nothing else is awaited (or the ring is gone)."""
         parked = link.parked
@@ -677,7 +685,7 @@ class UcxTransport:
             if outcome != "sent":
                 self._lane_message(link, message)
 
-    def _ring_message(self, link: _Link, message: _Message) -> str:
+    def _ring_message(self, link: PeerLink, message: _Message) -> str:
         """Put a chunk message (header and frames, one record) into the peer's ring.  Returns
         ``"sent"`` (or failed: the peer broke the ring and is dropped), ``"full"`` (no room
         now) or ``"lane"`` (too large, or the ring is gone: send it over UCX)."""
@@ -702,14 +710,14 @@ class UcxTransport:
             return "lane"
         return "full"
 
-    def _new_transfer(self, link: _Link, nbytes: int, kind: Kind) -> Transfer:
+    def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
         timer = self._loop.call_later(self.config.transfer_timeout, self._expire, link, transfer.id)
         link.sent[transfer.id] = _Sent(transfer, timer, kind, self._loop.time())
         self.metrics.started(link.peer.peer_id)
         return transfer
 
-    def _sent(self, link: _Link, transfer_id: int, error: BaseException | None) -> None:
+    def _sent(self, link: PeerLink, transfer_id: int, error: BaseException | None) -> None:
         """A payload or header send completed; a failed one means the lane to the peer broke."""
         if error is None or self._links.get(link.peer.peer_id) is not link:
             return
@@ -717,14 +725,14 @@ class UcxTransport:
         self._settle(link, transfer_id, lost)
         self._fault(link.peer.peer_id, lost)
 
-    def _expire(self, link: _Link, transfer_id: int) -> None:
+    def _expire(self, link: PeerLink, transfer_id: int) -> None:
         self._settle(
             link,
             transfer_id,
             DeadlineExceeded(f"no acknowledgement within {self.config.transfer_timeout}s"),
         )
 
-    def _settle(self, link: _Link, transfer_id: int, error: OmniAsyncError | None) -> None:
+    def _settle(self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None) -> None:
         sent = link.sent.pop(transfer_id, None)
         if sent is None:
             return  # settled already (cancelled, expired, acknowledged)
@@ -745,7 +753,7 @@ class UcxTransport:
         else:
             sent.transfer.set_failed(error)
 
-    def _abort(self, link: _Link, transfer_id: int, error: OmniAsyncError) -> None:
+    def _abort(self, link: PeerLink, transfer_id: int, error: OmniAsyncError) -> None:
         """A write with a notice is given up here after some of it was posted: tell the
         receiver, whose application gets a failed notice (before the outbox forgets it)."""
         if transfer_id in link.noticed and link.outbox.posted(transfer_id):
@@ -785,14 +793,14 @@ class UcxTransport:
         return False
 
     # -- receiving -------------------------------------------------------------------------
-    def _header_arrived(self, link: _Link, _tag: int, length: int, message: Any) -> None:
+    def _header_arrived(self, link: PeerLink, _tag: int, length: int, message: Any) -> None:
         if length > MAX_HEADER_BYTES:
             self._fault(link.peer.peer_id, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
             return
         buffer = np.empty(length, np.uint8)
         link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
 
-    def _data_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
+    def _data_arrived(self, link: PeerLink, tag: int, length: int, message: Any) -> None:
         try:
             take = link.inbox.arrived(tag & SEQ_MASK, length, message)
         except ProtocolError as exc:
@@ -802,7 +810,7 @@ class UcxTransport:
             message, (buffers, done) = take
             link.lane.recv_arrived_many(buffers, message, done)
 
-    def _stray_arrived(self, link: _Link, tag: int, length: int, message: Any) -> None:
+    def _stray_arrived(self, link: PeerLink, tag: int, length: int, message: Any) -> None:
         """A message no watch took: a header or payload that arrived after its watch looked
         is handled as such; one on a tag this protocol never uses is taken (truncated into
         scratch) and is a violation."""
@@ -815,7 +823,7 @@ class UcxTransport:
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
             self._fault(link.peer.peer_id, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
 
-    def _admit(self, link: _Link, seq: int, messages: int, nbytes: int) -> bool:
+    def _admit(self, link: PeerLink, seq: int, messages: int, nbytes: int) -> bool:
         """Account a header's payload messages (``seq`` on) and chunk bytes against the
         per-peer bounds (which the peer's sender window respects); a peer over them broke the
         protocol and is dropped (returns False)."""
@@ -827,7 +835,7 @@ class UcxTransport:
         return True
 
     def _expect(
-        self, link: _Link, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion, length: int = -1
+        self, link: PeerLink, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion, length: int = -1
     ) -> bool:
         """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now);
         False if that broke the protocol (the peer is dropped).
@@ -843,7 +851,7 @@ class UcxTransport:
             link.lane.recv_arrived_many(buffers, take[0], done)
         return True
 
-    def _on_header(self, link: _Link, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
+    def _on_header(self, link: PeerLink, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
         if error is not None:
             return  # the lane is closing; liveness is the control plane's job
         try:
@@ -853,7 +861,7 @@ class UcxTransport:
             return
         self._handle_header(link, header)
 
-    def _handle_header(self, link: _Link, header: DataHeader) -> None:
+    def _handle_header(self, link: PeerLink, header: DataHeader) -> None:
         """A header from the peer, over UCX or through its ring."""
         if isinstance(header, Goodbye):
             if link.ring_in is not None:
@@ -877,13 +885,13 @@ class UcxTransport:
         else:
             self._on_message(link, header)
 
-    def _on_ack(self, link: _Link, ack: Ack) -> None:
+    def _on_ack(self, link: PeerLink, ack: Ack) -> None:
         settled, error, posts = link.outbox.answered(ack.transfer_id, ack.code, ack.reason)
         if settled:
             self._settle(link, ack.transfer_id, error_from_code(*error) if error else None)
         _carry_out(posts)
 
-    def _on_write(self, link: _Link, req: WriteRequest) -> None:
+    def _on_write(self, link: PeerLink, req: WriteRequest) -> None:
         """A block write: each run's rows of every region of the set, run by run (gathered:
         one payload message; else one per run and region, in that order)."""
         messages = 1 if req.gathered else len(req.runs) * len(self._arrays)
@@ -916,7 +924,7 @@ class UcxTransport:
                 if not self._expect(link, req.seq + i, [row], parts.done):
                     return
 
-    def _answerer(self, link: _Link, req: WriteRequest, nbytes: int, *, valid: bool) -> Completion | None:
+    def _answerer(self, link: PeerLink, req: WriteRequest, nbytes: int, *, valid: bool) -> Completion | None:
         """What answers this write request: its acknowledgement, through the peer's notice
         book if it carries a notice (``valid``: its rows may be written).  None if the request
         broke the protocol (the peer is dropped)."""
@@ -933,7 +941,9 @@ class UcxTransport:
             return None
         return partial(self._answer_noticed, link, req.transfer_id, answer)
 
-    def _answer_noticed(self, link: _Link, transfer_id: int, answer: Completion, error: BaseException | None) -> None:
+    def _answer_noticed(
+        self, link: PeerLink, transfer_id: int, answer: Completion, error: BaseException | None
+    ) -> None:
         """A request of a write with a notice is done: the acknowledgement that completes
         the write waits until its notice is queued (and the notices before it)."""
         if self._links.get(link.peer.peer_id) is not link:
@@ -948,7 +958,7 @@ class UcxTransport:
         for notice, acks in ready:
             self.notices.offer(notice, partial(_carry_out, acks))
 
-    def _drain(self, link: _Link, req: WriteRequest, reason: InvalidBlocks, refuse: Completion) -> None:
+    def _drain(self, link: PeerLink, req: WriteRequest, reason: InvalidBlocks, refuse: Completion) -> None:
         """Take a refused write's payload (truncated into scratch: nothing is allocated, nothing
         lingers in UCX's queues), then send the refusal."""
         lens = self.regions.block_lens
@@ -964,7 +974,7 @@ class UcxTransport:
                 if not self._expect(link, req.seq + i, [link.scratch], parts.done, size):
                     return
 
-    def _on_message(self, link: _Link, hdr: MessageHeader) -> None:
+    def _on_message(self, link: PeerLink, hdr: MessageHeader) -> None:
         try:
             nbytes = validate_message(hdr, self.config.max_message_bytes)
         except ProtocolError as exc:
@@ -980,7 +990,7 @@ class UcxTransport:
         else:
             deliver(None)
 
-    def _on_ring_message(self, link: _Link, hdr: MessageHeader, record: memoryview) -> None:
+    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview) -> None:
         """A chunk message whose frames follow its header in a ring record: copy them out
         (the record is valid only during this call) and deliver.  Raises ProtocolError."""
         nbytes = validate_message(hdr, self.config.max_message_bytes)
@@ -995,7 +1005,7 @@ class UcxTransport:
         self._deliver(link, hdr, frames, nbytes, None)
 
     def _deliver(
-        self, link: _Link, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
+        self, link: PeerLink, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
     ) -> None:
         link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
@@ -1032,7 +1042,7 @@ class UcxTransport:
             error = TransferFailed(f"the receiver failed: {error!r}")
         answer(error)
 
-    def _answer(self, link: _Link, transfer_id: int, kind: Kind, nbytes: int, error: BaseException | None) -> None:
+    def _answer(self, link: PeerLink, transfer_id: int, kind: Kind, nbytes: int, error: BaseException | None) -> None:
         """Acknowledge an incoming transfer, or report why it failed, unless the lane is gone."""
         if self._links.get(link.peer.peer_id) is not link:
             return
@@ -1062,7 +1072,7 @@ class UcxTransport:
         if self._closed:
             raise ClosedError("transport is closed")
 
-    def _link(self, peer_id: str) -> _Link:
+    def _link(self, peer_id: str) -> PeerLink:
         try:
             return self._links[peer_id]
         except KeyError:
