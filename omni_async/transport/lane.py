@@ -220,9 +220,21 @@ class Lane:
         self._drive()
 
     def _drive(self) -> None:
-        """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
+        """Progress the worker (:meth:`_progress`), then tell ``on_progress``."""
         if self._closed:
             return
+        self._progress()
+        if self.on_progress is not None and not self._closed:
+            _run(self.on_progress)
+
+    on_progress: Callable[[], None] | None = None
+    """Set by the owner while it waits for the lane to go quiet (a drain): called after every
+    progress pass, once that pass's completions and arrivals ran.  A request that completes
+    when posted never counts in :attr:`in_flight`, so the owner looks once more itself after
+    anything it posts outside a pass."""
+
+    def _progress(self) -> None:
+        """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
         self.wakeups += 1
         worker = self._worker
         for round_ in range(_MAX_ROUNDS):

@@ -1,22 +1,28 @@
 """The lane protocol's state, free of I/O: events in, actions out.
 
 A lane driver (:mod:`.ucx`) reports what happened (a header was handled, a payload message
-arrived, an answer came) and carries out what it is told (receive this message into these
-buffers, post this request, settle that transfer, drop the peer).  The receiver's side is
-:class:`Inbox` (payload messages matched to the headers that announced them, within bounds);
-the sender's is :class:`Outbox` (sequence numbers, requests waiting for the receiver's
-:class:`~.limits.Window`, answers awaited per transfer).  Deadlines, the ``Transfer`` handles,
-goodbye and drain stay in the driver for now.
+arrived, an answer came, a cancel was asked for, its timer went off, the lane made progress)
+and carries out what it is told (receive this message into these buffers, post this request,
+send an Abort, settle that transfer, arm the timer, release the lane, drop the peer).  The
+receiver's side is :class:`Inbox` (payload messages matched to the headers that announced
+them, within bounds); the sender's is :class:`Outbox` (sequence numbers, requests waiting for
+the receiver's :class:`~.limits.Window`, answers awaited per transfer, what a cancel or a
+local failure does: :meth:`Outbox.give_up`).  :class:`Deadlines` says when transfers run out
+of time (one timer per lane, not one per transfer); :class:`Drain` says when a lane that said
+goodbye may be released.  The driver keeps the ``Transfer`` handles (they hold the awaiters'
+futures), the timer itself and the bound on a drain's wait.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from ..errors import ProtocolError
 from ..wire import MAX_PENDING_PAYLOADS
 from .limits import Window
+from .transfer import CancelMode
 
 T = TypeVar("T")
 
@@ -108,12 +114,24 @@ class Inbox(Generic[T]):
 class _Out:
     """What the sender still awaits for one transfer."""
 
-    __slots__ = ("error", "parts", "posted")
+    __slots__ = ("error", "noticed", "parts", "posted")
 
-    def __init__(self, parts: int) -> None:
+    def __init__(self, parts: int, noticed: bool) -> None:
         self.parts = parts  # requests not answered yet
         self.posted = 0  # requests handed to the driver
         self.error: tuple[str, str] | None = None  # the first failed answer: (code, reason)
+        self.noticed = noticed  # a write with a notice: the receiver is told if it is given up
+
+
+class GiveUp(Enum):
+    """What the driver does with a transfer this side gives up (:meth:`Outbox.give_up`)."""
+
+    KEEP = "keep"
+    """Nothing now: it settles on its last answer, its deadline or the peer's loss."""
+    SETTLE = "settle"
+    """Settle it now (and :meth:`Outbox.forget` it)."""
+    ABORT = "abort"
+    """Send the receiver an ``Abort`` first, then settle and forget it."""
 
 
 class Outbox(Generic[T]):
@@ -123,8 +141,9 @@ class Outbox(Generic[T]):
     :meth:`submit` and :meth:`answered` return the posts to carry out now, in order; a
     request that does not fit the window waits, in order, until answers make room.  A
     transfer settles on its last answer (:meth:`answered` says when, and with which failure);
-    one settled locally first (deadline, cancel, peer removal) is :meth:`forget`-ten: its
-    waiting requests are dropped, but what it posted keeps its window share until answered.
+    one given up here first (deadline, cancel, a failed send: :meth:`give_up` says how) is
+    :meth:`forget`-ten: its waiting requests are dropped, but what it posted keeps its window
+    share until answered.
     """
 
     __slots__ = ("_out", "_queue", "next_seq", "window")
@@ -141,10 +160,10 @@ class Outbox(Generic[T]):
         self.next_seq += count
         return seq
 
-    def submit(self, transfer_id: int, requests: list[tuple[int, int, T]]) -> list[T]:
-        """A new transfer of ``(payload messages, chunk bytes, post)`` requests; returns the
-        posts to carry out now."""
-        self._out[transfer_id] = _Out(len(requests))
+    def submit(self, transfer_id: int, requests: list[tuple[int, int, T]], noticed: bool = False) -> list[T]:
+        """A new transfer of ``(payload messages, chunk bytes, post)`` requests (``noticed``:
+        a block write with a notice); returns the posts to carry out now."""
+        self._out[transfer_id] = _Out(len(requests), noticed)
         self._queue.extend((transfer_id, messages, nbytes, post) for messages, nbytes, post in requests)
         return self._pump()
 
@@ -171,6 +190,20 @@ class Outbox(Generic[T]):
         """True if some request of the transfer left this side (a ``"wait"`` cancel drains)."""
         out = self._out.get(transfer_id)
         return out is not None and out.posted > 0
+
+    def give_up(self, transfer_id: int, mode: CancelMode = "immediate") -> GiveUp:
+        """This side gives the transfer up: a cancel in ``mode``, or (``"immediate"``) its
+        deadline passed or a send or local copy failed.  ``"wait"`` keeps a transfer some
+        request of which left this side until the receiver answers (the data plane may still
+        read its source); otherwise it settles now, after an ``Abort`` if it is a write with a
+        notice some of which was posted (the receiver's application must hear it failed).
+        Unknown ids (answered, never submitted) settle now.  Changes nothing: the driver
+        :meth:`forget`-s what it settles."""
+        if not self.posted(transfer_id):
+            return GiveUp.SETTLE
+        if mode == "wait":
+            return GiveUp.KEEP
+        return GiveUp.ABORT if self._out[transfer_id].noticed else GiveUp.SETTLE
 
     def forget(self, transfer_id: int) -> list[T]:
         """The transfer settled locally: drop its waiting requests; returns posts now possible
@@ -200,3 +233,112 @@ class Outbox(Generic[T]):
             else:
                 break
         return posts
+
+
+class Deadlines:
+    """When the transfers of one lane run out of time: one timer for all of them.
+
+    Every transfer gets the same ``timeout`` from its start, so start order is deadline order
+    (the driver's clock never goes back): the book keeps them in start order and the driver
+    keeps **one** timer per lane, armed when :meth:`start` or :meth:`fired` says so, never per
+    transfer.  A transfer settled otherwise is :meth:`settle`-d and never expires; the timer is
+    not moved for that: it goes off at the time it was armed for, expires nothing, and is
+    armed again at the next deadline (so a busy lane costs one timer per ``timeout``, not one
+    per transfer).
+    """
+
+    __slots__ = ("_armed", "_due", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._due: dict[int, float] = {}  # transfer id -> deadline, in start order
+        self._armed: float | None = None  # when the driver's timer goes off; None: not armed
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def start(self, transfer_id: int, now: float) -> float | None:
+        """A transfer starts at ``now``: returns when to arm the timer, or None if it is armed."""
+        self._due[transfer_id] = deadline = now + self.timeout
+        if self._armed is not None:
+            return None
+        self._armed = deadline
+        return deadline
+
+    def settle(self, transfer_id: int) -> None:
+        """The transfer settled otherwise: it never expires (unknown ids are ignored)."""
+        self._due.pop(transfer_id, None)
+
+    def next_deadline(self) -> float | None:
+        """The deadline of the oldest transfer not settled; None if there is none."""
+        return next(iter(self._due.values()), None)
+
+    def expired(self, now: float) -> list[int]:
+        """The transfers whose deadline is ``now`` or earlier, in start order (forgotten)."""
+        due = []
+        for transfer_id, deadline in self._due.items():
+            if deadline > now:
+                break
+            due.append(transfer_id)
+        for transfer_id in due:
+            del self._due[transfer_id]
+        return due
+
+    def fired(self, now: float) -> tuple[list[int], float | None]:
+        """The timer went off at ``now``: returns the transfers that expire (due by ``now``, or
+        by the time the timer was armed for: a loop may run a timer a little early) and when to
+        arm the timer next (None: nothing is left to expire, leave it unarmed)."""
+        expired = self.expired(now if self._armed is None else max(now, self._armed))
+        self._armed = self.next_deadline()
+        return expired, self._armed
+
+
+class Drain:
+    """The orderly close of one lane: when it may be released.  No I/O, no clock.
+
+    Both sides send a Goodbye and release the lane once this side left (:meth:`leave`), the
+    peer's Goodbye arrived (:meth:`goodbye`; tag order: everything the peer sent before it
+    has arrived), no payload message announced to ``inbox`` is still to come, and the lane
+    reports no request in flight (:meth:`progress`), so no UCX request is left behind.  The
+    driver bounds the wait (:meth:`expire`).  Exactly one of :meth:`progress` and
+    :meth:`expire` answers True, once: the lane is released then.
+    """
+
+    __slots__ = ("_inbox", "leaving", "peer_left", "released")
+
+    def __init__(self, inbox: Inbox[Any]) -> None:
+        self._inbox = inbox
+        self.leaving = False
+        """This side sent its Goodbye: incoming messages are no longer delivered."""
+        self.peer_left = False
+        """The peer's Goodbye arrived: every message it sent is here."""
+        self.released = False
+        """The drain ended (drained, or its time was up)."""
+
+    def leave(self) -> None:
+        """This side sends its Goodbye (its own transfers are settled): the lane drains."""
+        self.leaving = True
+
+    def goodbye(self) -> bool:
+        """The peer's Goodbye arrived (the driver handled what the peer sent before it first).
+        True if this side has not left yet: it must leave now, and its owner learn that the
+        peer is closing; False if it already left (or the peer said it twice)."""
+        first = not (self.leaving or self.peer_left)
+        self.peer_left = True
+        return first
+
+    def progress(self, in_flight: int) -> bool:
+        """The lane has ``in_flight`` requests pending (after a progress pass, or when the
+        drain starts): True, once, when the lane may be released."""
+        if self.released or not (self.leaving and self.peer_left) or in_flight or self._inbox.expecting:
+            return False
+        self.released = True
+        return True
+
+    def expire(self) -> bool:
+        """The drain's time is up: the lane is released now.  True if it had not drained
+        (the driver says so); False if it was released already."""
+        if self.released:
+            return False
+        self.released = True
+        return True

@@ -85,7 +85,7 @@ from ..wire import (
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
-from .protocol import Inbox, Outbox
+from .protocol import Deadlines, Drain, GiveUp, Inbox, Outbox
 from .ring import RingError
 from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
 from .shared import Refused, Writers, open_writers
@@ -98,7 +98,6 @@ _GATHER_MAX_RUN = 256 * 1024
 """Writes whose runs average less than this many bytes are gathered into one message."""
 DRAIN_TIMEOUT = 1.0
 """Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
-_DRAIN_TICK = 0.005
 
 Frames = list[npt.NDArray[np.uint8]]
 _Message = tuple[int, str, bytes, list[int], Frames]
@@ -126,13 +125,12 @@ def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
 
 
 class _Sent:
-    """A transfer in flight: its deadline timer, kind and start time (for metrics)."""
+    """A transfer in flight: its kind and start time (for metrics)."""
 
-    __slots__ = ("kind", "started", "timer", "transfer")
+    __slots__ = ("kind", "started", "transfer")
 
-    def __init__(self, transfer: Transfer, timer: asyncio.TimerHandle, kind: Kind, started: float) -> None:
+    def __init__(self, transfer: Transfer, kind: Kind, started: float) -> None:
         self.transfer = transfer
-        self.timer = timer
         self.kind = kind
         self.started = started
 
@@ -144,6 +142,8 @@ class PeerLink:
 
     peer: PeerInfo
     lane: Lane
+    deadlines: Deadlines
+    """When the transfers to the peer run out of time (one timer for all: :attr:`timer`)."""
     inbox: Inbox[tuple[list[npt.NDArray[np.uint8]], Completion]] = field(init=False)
     """Payload messages matched to their headers: each goes to (buffers, done); the buffers
     may be shorter than the announced length (a refused write's payload is received into a
@@ -151,21 +151,19 @@ class PeerLink:
     sent: dict[int, _Sent] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
     outbox: Outbox[Callable[[], None]] = field(init=False)
-    """Sequence numbers, requests waiting for the peer's window, answers awaited."""
+    """Sequence numbers, requests waiting for the peer's window, answers awaited, cancels."""
+    drain: Drain = field(init=False)
+    """Goodbyes and what is still pending: when the lane may be released."""
+    timer: asyncio.TimerHandle | None = None
+    """The deadline timer, armed when :attr:`deadlines` says so; None: nothing to expire."""
     scratch: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(1, np.uint8))
     """Where refused or stray payloads go (UCX truncates them: nothing is allocated)."""
     gather: bool = False
     """Send each block write as one gathered message (peers on this host over shared memory:
     measured faster; over tcp one message per run is faster, see docs/tuning.md)."""
-    leaving: bool = False
-    """This side sent its Goodbye; the lane is draining."""
-    peer_left: bool = False
-    """The peer's Goodbye arrived: every message it sent is here."""
     direct: Writers | None = None
     """Write blocks straight into the peer's regions, one per region of its set (same host,
     see :mod:`.shared`); None: block payloads go through UCX."""
-    noticed: set[int] = field(default_factory=set)
-    """Transfers to the peer that carry a notice (the peer is told if they are given up)."""
     notices: NoticeBook[Callable[[], None]] = field(init=False)
     """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
     ring_in: RingReceiver | None = None
@@ -182,6 +180,7 @@ class PeerLink:
     def __post_init__(self, receive_bytes: int) -> None:
         self.outbox = Outbox(Window(self.peer.max_message_bytes))
         self.inbox = Inbox(receive_bytes)
+        self.drain = Drain(self.inbox)
         # The sender's window counts each request with a notice as a payload message.
         self.notices = NoticeBook(self.peer.peer_id, 2 * MAX_PENDING_PAYLOADS)
 
@@ -269,6 +268,7 @@ class UcxTransport:
         link = PeerLink(
             peer,
             lane,
+            Deadlines(self.config.transfer_timeout),
             gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
             receive_bytes=receive_budget(self.config.max_message_bytes),
         )
@@ -361,8 +361,11 @@ class UcxTransport:
         self._drop_rings(link)
         for transfer_id in list(link.sent):
             self._settle(link, transfer_id, error)
+        if link.timer is not None:
+            link.timer.cancel()
+            link.timer = None
         if orderly:
-            link.leaving = True
+            link.drain.leave()
             link.lane.send(encode_header(Goodbye()), HEADER_TAG, _ignore)
             task = self._loop.create_task(self._drain_lane(link, error), name=f"omni-drain-{peer_id}")
             self._drains.add(task)
@@ -380,15 +383,26 @@ class UcxTransport:
         self.discard_lane(link.lane, error)
 
     async def _drain_lane(self, link: PeerLink, error: OmniAsyncError) -> None:
-        """Wait (bounded) for the peer's Goodbye and for every pending request, then close."""
-        deadline = self._loop.time() + DRAIN_TIMEOUT
+        """Release the lane once the lane protocol says it drained (:class:`.protocol.Drain`:
+        the peer's Goodbye is here and nothing is pending), or after ``DRAIN_TIMEOUT``.
+        Event-driven: the lane reports each progress pass; nothing polls."""
+        lane = link.lane
+        drained = self._loop.create_future()
+
+        def progress() -> None:
+            if link.drain.progress(lane.in_flight):
+                drained.set_result(None)
+
+        lane.on_progress = progress
         try:
-            while not (link.peer_left and link.lane.in_flight == 0 and not link.inbox.expecting):
-                if self._loop.time() > deadline:
-                    log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
-                    break
-                await asyncio.sleep(_DRAIN_TICK)  # only while a lane drains, at most DRAIN_TIMEOUT
+            progress()  # the peer may have left already, and the Goodbye be sent
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                await drained
+        except TimeoutError:
+            if link.drain.expire():
+                log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
         finally:
+            lane.on_progress = None
             self._release_link(link, error)
 
     def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
@@ -475,8 +489,6 @@ class UcxTransport:
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
         split = split_runs(runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers))
-        if notice is not None:
-            link.noticed.add(transfer.id)
         for part, request in enumerate(split):
             tag = None if notice is None else _Tag(notice, part, len(split))
             if placed:  # same host: copied straight into the peer's rows, no payload message
@@ -491,7 +503,7 @@ class UcxTransport:
             gather = link.gather and messages > 1 and nbytes < _GATHER_MAX_RUN * messages
             post = partial(self._post_write, link, transfer.id, request, gather, tag)
             requests.append((1 if gather else messages, 0, post))
-        _carry_out(link.outbox.submit(transfer.id, requests))
+        _carry_out(link.outbox.submit(transfer.id, requests, noticed=notice is not None))
         return transfer
 
     def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
@@ -712,8 +724,11 @@ class UcxTransport:
 
     def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
-        timer = self._loop.call_later(self.config.transfer_timeout, self._expire, link, transfer.id)
-        link.sent[transfer.id] = _Sent(transfer, timer, kind, self._loop.time())
+        now = self._loop.time()
+        link.sent[transfer.id] = _Sent(transfer, kind, now)
+        due = link.deadlines.start(transfer.id, now)
+        if due is not None:
+            link.timer = self._loop.call_at(due, self._deadlines_due, link)
         self.metrics.started(link.peer.peer_id)
         return transfer
 
@@ -725,40 +740,52 @@ class UcxTransport:
         self._settle(link, transfer_id, lost)
         self._fault(link.peer.peer_id, lost)
 
-    def _expire(self, link: PeerLink, transfer_id: int) -> None:
-        self._settle(
-            link,
-            transfer_id,
-            DeadlineExceeded(f"no acknowledgement within {self.config.transfer_timeout}s"),
-        )
+    def _deadlines_due(self, link: PeerLink) -> None:
+        """The link's deadline timer went off: arm it for the next deadline, expire what is due."""
+        expired, due = link.deadlines.fired(self._loop.time())
+        link.timer = None if due is None else self._loop.call_at(due, self._deadlines_due, link)
+        for transfer_id in expired:
+            self._settle(link, transfer_id, DeadlineExceeded(f"no acknowledgement within {link.deadlines.timeout}s"))
 
     def _settle(self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None) -> None:
-        sent = link.sent.pop(transfer_id, None)
+        """Settle a transfer: acknowledged (``error`` None), answered with a failure, or given
+        up here (deadline, a failed send, the peer's removal)."""
+        sent = self._end(link, transfer_id, error)
         if sent is None:
-            return  # settled already (cancelled, expired, acknowledged)
-        sent.timer.cancel()
-        if self._links.get(link.peer.peer_id) is link:
-            if error is not None:
-                self._abort(link, transfer_id, error)
-            _carry_out(link.outbox.forget(transfer_id))
-            if link.parked:
-                self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
-        link.noticed.discard(transfer_id)
-        outcome = "ok" if error is None else error.code
-        self.metrics.settled(
-            sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
-        )
+            return
         if error is None:
             sent.transfer.set_done()
         else:
             sent.transfer.set_failed(error)
 
-    def _abort(self, link: PeerLink, transfer_id: int, error: OmniAsyncError) -> None:
-        """A write with a notice is given up here after some of it was posted: tell the
-        receiver, whose application gets a failed notice (before the outbox forgets it)."""
-        if transfer_id in link.noticed and link.outbox.posted(transfer_id):
-            abort = Abort(transfer_id, error.code, str(error)[:1000])
-            link.lane.send(encode_header(abort), HEADER_TAG, _ignore)
+    def _end(
+        self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None, mode: CancelMode = "immediate"
+    ) -> _Sent | None:
+        """Carry out what the lane protocol decides for a transfer that ends here (``error``:
+        given up, or answered with it; a cancel in ``mode``): nothing yet, or forget it (after
+        an ``Abort`` if told to).  Returns its record, to settle its handle; None if it was
+        settled already or is kept (a ``"wait"`` cancel)."""
+        sent = link.sent.get(transfer_id)
+        if sent is None:
+            return None  # settled already (cancelled, expired, acknowledged)
+        current = self._links.get(link.peer.peer_id) is link
+        action = GiveUp.SETTLE if error is None or not current else link.outbox.give_up(transfer_id, mode)
+        if action is GiveUp.KEEP:
+            return None
+        del link.sent[transfer_id]  # first: what runs below sees it settled
+        link.deadlines.settle(transfer_id)
+        if current:
+            if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
+                abort = Abort(transfer_id, error.code, str(error)[:1000])
+                link.lane.send(encode_header(abort), HEADER_TAG, _ignore)
+            _carry_out(link.outbox.forget(transfer_id))
+            if link.parked:
+                self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
+        outcome = "ok" if error is None else error.code
+        self.metrics.settled(
+            sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
+        )
+        return sent
 
     # -- cancelling ------------------------------------------------------------------------
     def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
@@ -777,20 +804,12 @@ class UcxTransport:
         return draining
 
     def _on_cancel(self, transfer: Transfer, mode: CancelMode) -> bool:
+        """``transfer.cancel(mode)``: True if it is kept, draining (the handle settles itself
+        otherwise)."""
         link = self._links.get(transfer.peer_id)
         if link is None or transfer.id not in link.sent:
             return False
-        if mode == "wait" and link.outbox.posted(transfer.id):
-            return True  # nothing of it left this side if nothing was posted: settle now
-        sent = link.sent.pop(transfer.id)
-        sent.timer.cancel()
-        self._abort(link, transfer.id, TransferCancelled("the sender cancelled the write"))
-        link.noticed.discard(transfer.id)
-        _carry_out(link.outbox.forget(transfer.id))
-        self.metrics.settled(
-            sent.kind, transfer.nbytes, TransferCancelled.code, self._loop.time() - sent.started, transfer.peer_id
-        )
-        return False
+        return self._end(link, transfer.id, TransferCancelled("the sender cancelled the write"), mode) is None
 
     # -- receiving -------------------------------------------------------------------------
     def _header_arrived(self, link: PeerLink, _tag: int, length: int, message: Any) -> None:
@@ -864,13 +883,7 @@ class UcxTransport:
     def _handle_header(self, link: PeerLink, header: DataHeader) -> None:
         """A header from the peer, over UCX or through its ring."""
         if isinstance(header, Goodbye):
-            if link.ring_in is not None:
-                link.ring_in.run()  # what the peer put into the ring before it left comes first
-            link.peer_left = True
-            if not link.leaving:  # the peer leaves first: drain, and tell the owner
-                gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
-                self.remove_peer(link.peer.peer_id, gone, orderly=True)
-                self._fault(link.peer.peer_id, gone)
+            self._on_goodbye(link)
         elif isinstance(header, Ack):
             self._on_ack(link, header)
         elif isinstance(header, WriteRequest):
@@ -884,6 +897,16 @@ class UcxTransport:
             self._queue_notices(link.notices.aborted(header.transfer_id, error))
         else:
             self._on_message(link, header)
+
+    def _on_goodbye(self, link: PeerLink) -> None:
+        """The peer leaves: what it put into the ring before comes first; a peer that leaves
+        first is removed (its lane drains) and the owner told."""
+        if link.ring_in is not None:
+            link.ring_in.run()
+        if link.drain.goodbye():
+            gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
+            self.remove_peer(link.peer.peer_id, gone, orderly=True)
+            self._fault(link.peer.peer_id, gone)
 
     def _on_ack(self, link: PeerLink, ack: Ack) -> None:
         settled, error, posts = link.outbox.answered(ack.transfer_id, ack.code, ack.reason)
@@ -1009,7 +1032,7 @@ class UcxTransport:
     ) -> None:
         link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
-        if error is not None or link.leaving:
+        if error is not None or link.drain.leaving:
             answer(error)  # a leaving peer's messages are not delivered (nor acknowledged)
             return
         sink = self.message_sink
