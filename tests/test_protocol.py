@@ -147,3 +147,166 @@ def test_outbox_never_exceeds_the_window_and_every_request_goes_out_once(transfe
     assert sorted(posted) == sorted((t, i) for t, (parts, _) in enumerate(transfers) for i in range(parts))
     assert settled == set(range(len(transfers)))
     assert box.window.messages == 0
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6), st.booleans()), min_size=1, max_size=12),
+    st.lists(st.tuples(st.integers(0, 11), st.sampled_from(["immediate", "wait"])), max_size=12),
+    st.randoms(),
+)
+def test_give_up_in_both_modes_with_and_without_posted_parts(transfers, cancels, rnd):
+    """A cancel in "wait" mode keeps a transfer some request of which was posted (until it is
+    answered); otherwise it settles now, with an Abort for a write with a notice some of which
+    was posted.  Forgotten transfers keep their window share until answered; answers for ids
+    the outbox does not know (forgotten, never sent) are ignored."""
+    from omni_async.transport.protocol import GiveUp
+
+    box = outbox(max_messages=8)
+    in_flight, posted = [], {}  # posts not answered yet; how many requests of each left
+
+    def carry_out(posts):
+        for transfer_id in posts:
+            in_flight.append(transfer_id)
+            posted[transfer_id] += 1
+
+    for transfer_id, (parts, messages, noticed) in enumerate(transfers):
+        posted[transfer_id] = 0
+        carry_out(box.submit(transfer_id, [(messages, 0, transfer_id)] * parts, noticed=noticed))
+    kept, settled = set(), set()
+    for index, mode in cancels:
+        transfer_id = index % len(transfers)
+        if transfer_id in settled:
+            assert box.give_up(transfer_id, mode) is GiveUp.SETTLE  # unknown now: nothing to wait for
+            continue
+        if not posted[transfer_id]:
+            expected = GiveUp.SETTLE
+        elif mode == "wait":
+            expected = GiveUp.KEEP
+        else:
+            expected = GiveUp.ABORT if transfers[transfer_id][2] else GiveUp.SETTLE
+        assert box.give_up(transfer_id, mode) is expected
+        assert box.posted(transfer_id) == bool(posted[transfer_id])
+        if expected is GiveUp.KEEP:
+            kept.add(transfer_id)
+        else:
+            kept.discard(transfer_id)  # "immediate" after "wait": settled now after all
+            settled.add(transfer_id)
+            carry_out(box.forget(transfer_id))
+    window = (box.window.messages, box.window.nbytes)
+    assert box.answered(len(transfers) + 7, "", "") == (False, None, [])  # never sent: ignored
+    assert (box.window.messages, box.window.nbytes) == window
+    answered = set()
+    while in_flight:
+        transfer_id = in_flight.pop(rnd.randrange(len(in_flight)))
+        done, error, posts = box.answered(transfer_id, "", "")
+        assert not (done and transfer_id in settled), "a forgotten transfer settled again"
+        if done:
+            answered.add(transfer_id)
+        carry_out(posts)
+        assert box.window.messages <= 8
+    assert kept <= answered  # a kept transfer settles on its last answer
+    assert answered == set(range(len(transfers))) - settled
+    assert (box.window.messages, box.window.nbytes) == (0, 0)  # every share came back
+
+
+@given(
+    st.floats(0.5, 30),
+    st.lists(st.tuples(st.sampled_from(["start", "settle", "time", "early"]), st.integers(0, 1000)), max_size=80),
+)
+def test_deadlines_expire_in_start_order_never_for_settled_ids_with_one_timer(timeout, events):
+    """A fake driver keeps one timer, armed when the book says so: every transfer not settled
+    expires once, in start order, no sooner than its deadline (a timer that goes off a little
+    early expires what was due by its time), and the timer is never later than the oldest
+    deadline."""
+    from omni_async.transport.protocol import Deadlines
+
+    book = Deadlines(timeout)
+    now, timer, next_id = 0.0, None, 0
+    live: dict[int, float] = {}  # started, neither settled nor expired: id -> deadline
+    order, settled, expired = [], set(), []
+
+    def fire(at):
+        nonlocal timer
+        ids, due = book.fired(at)
+        cutoff = max(at, timer)
+        assert ids == [i for i in order if i in live and live[i] <= cutoff]
+        for i in ids:
+            del live[i]
+        expired.extend(ids)
+        timer = due
+
+    for kind, value in events:
+        if kind == "start":
+            due = book.start(next_id, now)
+            assert (due is None) == (timer is not None)  # one timer: armed only when none is
+            timer = due if due is not None else timer
+            live[next_id] = now + timeout
+            order.append(next_id)
+            next_id += 1
+        elif kind == "settle":
+            book.settle(10**6 + value)  # unknown ids are ignored
+            if live:
+                transfer_id = sorted(live)[value % len(live)]
+                book.settle(transfer_id)
+                del live[transfer_id]
+                settled.add(transfer_id)
+        else:
+            now += value / 300 * timeout
+            while timer is not None and timer <= now:
+                fire(timer - 1e-3 if kind == "early" else now)
+        assert len(book) == len(live)
+        assert book.next_deadline() == (min(live.values()) if live else None)
+        if live:
+            assert timer is not None and timer <= min(live.values())
+    while timer is not None:  # time runs on: everything left expires
+        now = max(now, timer)
+        fire(now)
+    assert expired == [i for i in order if i not in settled]
+    assert not live and book.next_deadline() is None and book.expired(now + 2 * timeout) == []
+
+
+@given(st.lists(st.sampled_from(["leave", "goodbye", "busy", "idle", "announce", "arrive", "expire"]), max_size=40))
+def test_drain_releases_the_lane_exactly_when_its_conditions_hold(events):
+    """The lane may be released once this side left, the peer's Goodbye came, nothing is in
+    flight and no announced payload is still to come; or when its time is up.  Exactly once."""
+    from omni_async.transport.protocol import Drain
+
+    inbox = Inbox(max_bytes=1 << 20)
+    drain = Drain(inbox)
+    leaving = peer_left = released = False
+    in_flight, seq, expected, releases = 0, 0, [], 0
+    for event in events:
+        if event == "leave" and not leaving:  # the driver leaves once (remove_peer)
+            drain.leave()
+            leaving = True
+        elif event == "goodbye":
+            first = drain.goodbye()
+            assert first == (not leaving)
+            peer_left = True
+            if first:  # the peer left first: the driver leaves too
+                drain.leave()
+                leaving = True
+        elif event == "busy":
+            in_flight += 1
+        elif event == "idle":
+            in_flight = 0
+        elif event == "announce":
+            assert inbox.expect(seq, 1, seq) is None
+            expected.append(seq)
+            seq += 1
+        elif event == "arrive" and expected:
+            arrived = expected.pop(0)
+            assert inbox.arrived(arrived, 1, ("msg", arrived)) == (("msg", arrived), arrived)
+        elif event == "expire":
+            assert drain.expire() == (not released)
+            releases += not released
+            released = True
+            continue
+        may = leaving and peer_left and in_flight == 0 and not expected and not released
+        assert drain.progress(in_flight) == may
+        releases += may
+        released = released or may
+        assert drain.released == released and drain.leaving == leaving and drain.peer_left == peer_left
+    assert releases == int(released)
+    drain.expire()  # its time is up, if it had not drained
+    assert drain.released and not drain.progress(0) and not drain.expire()  # released once only

@@ -321,11 +321,10 @@ class Drain:
 
     def goodbye(self) -> bool:
         """The peer's Goodbye arrived (the driver handled what the peer sent before it first).
-        True if this side has not left yet: it must leave now, and its owner learn that the
-        peer is closing; False if it already left (or the peer said it twice)."""
-        first = not (self.leaving or self.peer_left)
+        True if this side has not left yet: it must leave now (:meth:`leave`), and its owner
+        learn that the peer is closing; False if it already left."""
         self.peer_left = True
-        return first
+        return not self.leaving
 
     def progress(self, in_flight: int) -> bool:
         """The lane has ``in_flight`` requests pending (after a progress pass, or when the
