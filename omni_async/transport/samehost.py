@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -40,6 +39,7 @@ from ..memfd import SharedSegment
 from ..wire import RingOffer
 from .ring import Consumer, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
+from .turns import NextTurn, spin
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class RingReceiver:
         self._consumer = Consumer(self._segment.array.data)
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
-        self._scheduled = False
+        self._next_turn = NextTurn(loop, self.run)
         self._active = False
         self._misses = 0
         self.turns = 0
@@ -120,13 +120,8 @@ class RingReceiver:
     def kick(self) -> None:
         """Run a turn soon (after the loop's ready callbacks): called after this side sent
         something that expects an answer, so the turn spins for it instead of sleeping."""
-        if not self._scheduled and not self._closed:
-            self._scheduled = True
-            self._loop.call_soon(self._rerun)
-
-    def _rerun(self) -> None:
-        self._scheduled = False
-        self.run()
+        if not self._closed:
+            self._next_turn()
 
     def run(self) -> None:
         """One turn: deliver the records published so far (at most a batch), then come back
@@ -140,7 +135,7 @@ class RingReceiver:
         try:
             delivered = self._take_batch()
             if not delivered and not self._closed and self._may_spin():
-                if _spin(consumer):
+                if spin(consumer.ready, SPIN):
                     self._misses = 0
                     delivered = self._take_batch()
                 else:
@@ -246,11 +241,3 @@ class RingSender:
         self._wake = -1
         self._producer.release()
         self._mapping.close()
-
-
-def _spin(consumer: Consumer) -> bool:
-    deadline = time.perf_counter() + SPIN
-    while time.perf_counter() < deadline:
-        if consumer.ready():
-            return True
-    return False
