@@ -111,7 +111,7 @@ class Lane:
         self._probe_info = iov.RecvInfo()
         # One queued drive at a time, cleared only when it runs (not by the event fd's drives):
         # under load, the calls queued per loop iteration stay bounded.
-        self._schedule_drive = NextTurn(loop, self._drive)
+        self._next_turn = NextTurn(loop)
         self._spin_misses = 0
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
@@ -172,7 +172,7 @@ class Lane:
         with :meth:`recv_arrived` or :meth:`recv_arrived_many`.
         """
         self._watches.append((tag, mask, on_arrival))
-        self._schedule_drive()
+        self._next_turn(self._drive)
 
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
         """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
@@ -207,7 +207,7 @@ class Lane:
             _run(done, _request_error(request))
             return
         self._pending.append((request, done, keepalive))
-        self._schedule_drive()
+        self._next_turn(self._drive)
 
     def _drive(self) -> None:
         """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
@@ -236,7 +236,7 @@ class Lane:
         # UCX still has work (a large transfer, a flood of arrivals, or sends stuck towards a
         # dead peer until the control plane notices): come back after the loop has run its
         # other callbacks (other lanes, heartbeats), so no peer can starve the others.
-        self._schedule_drive()
+        self._next_turn(self._drive)
 
     expecting: Callable[[], bool] | None = None
     """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or

@@ -84,7 +84,7 @@ class RingReceiver:
         self._consumer = Consumer(self._segment.array.data)
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
-        self._next_turn = NextTurn(loop, self.run)
+        self._next_turn = NextTurn(loop)
         self._active = False
         self._misses = 0
         self.turns = 0
@@ -121,7 +121,7 @@ class RingReceiver:
         """Run a turn soon (after the loop's ready callbacks): called after this side sent
         something that expects an answer, so the turn spins for it instead of sleeping."""
         if not self._closed:
-            self._next_turn()
+            self._next_turn(self.run)
 
     def run(self) -> None:
         """One turn: deliver the records published so far (at most a batch), then come back

@@ -11,29 +11,30 @@ from collections.abc import Callable
 
 
 class NextTurn:
-    """Calling it runs ``callback`` on the loop's next turn (``loop.call_soon``), once however
-    often it is called before then; a call made during that run queues one more.
+    """``next_turn(callback)`` runs ``callback`` on the loop's next turn (``loop.call_soon``),
+    once however often it is called before then; a call made during that run queues one more.
+    Give it the same callback every time (a later one is dropped while one is queued).
 
     Only the queued run clears the request, not a direct call of ``callback`` meanwhile: so at
-    most one run is queued at a time, however many callers post work per loop iteration.
-    Loop thread only.
+    most one run is queued at a time, however many callers post work per loop iteration.  It
+    keeps no reference to ``callback`` but the queued one (no cycle with the owner whose
+    method it runs).  Loop thread only.
     """
 
-    __slots__ = ("_callback", "_loop", "_queued")
+    __slots__ = ("_loop", "_queued")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._callback = callback
         self._queued = False
 
-    def __call__(self) -> None:
+    def __call__(self, callback: Callable[[], None]) -> None:
         if not self._queued:
             self._queued = True
-            self._loop.call_soon(self._run)
+            self._loop.call_soon(self._run, callback)
 
-    def _run(self) -> None:
+    def _run(self, callback: Callable[[], None]) -> None:
         self._queued = False
-        self._callback()
+        callback()
 
 
 def spin(poll: Callable[[], object], seconds: float) -> bool:
