@@ -213,7 +213,8 @@ class RingSender:
             raise
         self._mapping = mapping
         self.token = offer.token
-        self._producer = Producer(memoryview(mapping))
+        self.producer = Producer(memoryview(mapping))
+        """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
         self.max_payload = max_payload(capacity)
         self.broken: OSError | None = None
         """Set once a wake-up failed (the peer closed the ring or exited): stop using it."""
@@ -222,16 +223,21 @@ class RingSender:
         """Append one record (``parts`` concatenated) and wake the peer if it sleeps; False if
         it does not fit now or the ring broke (send it another way).  Raises
         :class:`~.ring.RingError` if the peer corrupted the ring."""
-        if self.broken is not None or not self._producer.put(kind, parts):
+        if self.broken is not None or not self.producer.put(kind, parts):
             return False
-        if self._producer.wants_wake():
-            try:
-                os.write(self._wake, b"\1")
-            except BlockingIOError:
-                pass  # the pipe is full of wake-ups already
-            except OSError as exc:  # EPIPE: the peer's read end is gone
-                self.broken = exc
+        if self.producer.wants_wake():
+            self.wake()
         return True
+
+    def wake(self) -> None:
+        """Write a wake-up byte into the peer's pipe: its receiver runs a turn.  Sets
+        :attr:`broken` if the peer's end is gone."""
+        try:
+            os.write(self._wake, b"\1")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+        except OSError as exc:  # EPIPE: the peer's read end is gone
+            self.broken = exc
 
     def close(self) -> None:
         """Unmap the peer's ring and close the pipe.  Idempotent."""
@@ -239,5 +245,5 @@ class RingSender:
             return
         os.close(self._wake)
         self._wake = -1
-        self._producer.release()
+        self.producer.release()
         self._mapping.close()
