@@ -188,11 +188,11 @@ class Agent(Startable):
         control, transport = self.control, self.transport
         lane = transport.open_lane()
         conn: ControlConnection | None = None
-        started = False
+        counted = False  # in its session's pending handshakes (until it ends)
         try:
             conn = await control.connect(address, lane.address)
             self._handshake_started(conn.info.peer_id)
-            started = True
+            counted = True
             self._check(conn)  # early refusal, before the lane is vetted
             await transport.connect_lane(conn.info, lane)
             self._commit(conn, lane)
@@ -207,7 +207,7 @@ class Agent(Startable):
                 raise HandshakeRejected(f"peer {conn.info.peer_id!r} sent unusable agent metadata: {exc}") from None
             raise
         finally:
-            if started and conn is not None:
+            if counted and conn is not None:
                 self._handshake_ended(conn.info.peer_id)
         await self._settled(conn.info.peer_id)
         return conn.info.peer_id
