@@ -76,6 +76,8 @@ class TransferAdapter:
 
     ``peer_id`` is where saved chunks go (None: this adapter only receives); ``source`` is the
     peer chunks come from, if known (its loss then fails waiters at once with ``PeerLost``).
+    ``window`` bounds the saves sent and not yet acknowledged (default: a semaphore of
+    ``options.max_in_flight``); adapters given the same one share the bound.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class TransferAdapter:
         peer_id: str | None = None,
         source: str | None = None,
         options: AdapterOptions | None = None,
+        window: asyncio.Semaphore | None = None,
     ) -> None:
         if ":" in stage:
             raise ValueError("a stage name must not contain ':'")
@@ -96,7 +99,7 @@ class TransferAdapter:
         self.options = options or AdapterOptions()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[_Save] = asyncio.Queue()
-        self._window = asyncio.Semaphore(self.options.max_in_flight)
+        self._window = window if window is not None else asyncio.Semaphore(self.options.max_in_flight)
         self._next_save: dict[str, int] = {}
         self._unsettled: set[asyncio.Future[None]] = set()
         self._incoming: dict[str, _Incoming] = {}

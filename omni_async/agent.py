@@ -24,7 +24,7 @@ from .config import AgentConfig, check_ucx_environment
 from .control import ControlConnection, ControlPlane
 from .errors import AlreadyConnected, ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import Connection, LocalIdentity, PeerInfo, Verdict, admit
-from .lifecycle import Startable
+from .lifecycle import Startable, started
 from .metrics import Metrics, serve_metrics
 from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
 from .session import PeerSession, Phase, SessionEvent
@@ -141,17 +141,15 @@ class Agent(Startable):
     @property
     def control_address(self) -> str:
         """``tcp://host:port`` that peers pass to :meth:`connect`."""
-        return self._started_control().address
+        return self.control.address
 
     @property
     def transport(self) -> UcxTransport:
-        if self._transport is None:
-            raise ClosedError("agent is not started")
-        return self._transport
+        return started(self._transport, "agent")
 
     @property
     def control(self) -> ControlPlane:
-        return self._started_control()
+        return started(self._control, "agent")
 
     @property
     def peers(self) -> dict[str, PeerInfo]:
@@ -187,14 +185,14 @@ class Agent(Startable):
         :class:`HandshakeRejected`) with the reason, and :class:`AlreadyConnected` if the pair
         is joined (or being joined) through another handshake: that one's connection stays.
         """
-        control, transport = self._started_control(), self.transport
+        control, transport = self.control, self.transport
         lane = transport.open_lane()
         conn: ControlConnection | None = None
-        started = False
+        counted = False  # in its session's pending handshakes (until it ends)
         try:
             conn = await control.connect(address, lane.address)
             self._handshake_started(conn.info.peer_id)
-            started = True
+            counted = True
             self._check(conn)  # early refusal, before the lane is vetted
             await transport.connect_lane(conn.info, lane)
             self._commit(conn, lane)
@@ -209,7 +207,7 @@ class Agent(Startable):
                 raise HandshakeRejected(f"peer {conn.info.peer_id!r} sent unusable agent metadata: {exc}") from None
             raise
         finally:
-            if started and conn is not None:
+            if counted and conn is not None:
                 self._handshake_ended(conn.info.peer_id)
         await self._settled(conn.info.peer_id)
         return conn.info.peer_id
@@ -219,7 +217,7 @@ class Agent(Startable):
         session = self._sessions.get(peer_id)
         if session is None or session.phase != "joined":
             return False
-        self._started_control()
+        started(self._control, "agent")  # raises ClosedError once closed
         error = PeerLost(f"peer {peer_id!r} removed")
         self._leave(session, error, orderly=True, goodbye="removed")
         return True
@@ -441,7 +439,3 @@ class Agent(Startable):
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _started_control(self) -> ControlPlane:
-        if self._control is None:
-            raise ClosedError("agent is not started")
-        return self._control

@@ -30,6 +30,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
@@ -154,19 +155,16 @@ class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How many refused prefixes (cleaned-up requests) are remembered."""
 
 
+@dataclass(eq=False, slots=True)
 class _Stored:
-    """A buffered payload; ``space`` is set while its acknowledgement is held back."""
+    """A buffered payload; ``space`` is set while its acknowledgement is held back.  Compared
+    and hashed by identity (a key of the held-back table)."""
 
-    __slots__ = ("key", "nbytes", "payload", "peer_id", "space")
-
-    def __init__(
-        self, key: str, peer_id: str, payload: dict[str, Any], nbytes: int, space: asyncio.Future[None] | None
-    ) -> None:
-        self.key = key
-        self.peer_id = peer_id
-        self.payload = payload
-        self.nbytes = nbytes
-        self.space = space
+    key: str
+    peer_id: str
+    payload: dict[str, Any]
+    nbytes: int
+    space: asyncio.Future[None] | None
 
 
 @register_connector("ucx")

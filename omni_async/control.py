@@ -115,7 +115,9 @@ class ControlPlane:
         self._router: zmq.asyncio.Socket | None = None
         self._gate: CurveGate | None = None
         self._public_key = public_key(config.curve_secret_key) if config.curve_secret_key else None
-        self._address = ""
+        self.address = ""
+        """``tcp://host:port`` peers connect to (``?key=PUBLIC_KEY`` appended when CURVE is on);
+        empty until :meth:`start`."""
         self._peers: dict[str, ControlConnection] = {}  # installed connections
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -140,16 +142,11 @@ class ControlPlane:
         bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.config.advertise_host:
             bound = f"tcp://{self.config.advertise_host}:{bound.rsplit(':', 1)[1]}"
-        self._address = join_address(bound, self._public_key)
+        self.address = join_address(bound, self._public_key)
         self._spawn(self._router_loop(router), "omni-control-router")
         self._spawn(self._heartbeat_loop(), "omni-control-heartbeat")
-        log.info("control plane of %s listening on %s", self.identity.peer_id, self._address)
-        return self._address
-
-    @property
-    def address(self) -> str:
-        """``tcp://host:port`` peers connect to (``?key=PUBLIC_KEY`` appended when CURVE is on)."""
-        return self._address
+        log.info("control plane of %s listening on %s", self.identity.peer_id, self.address)
+        return self.address
 
     @property
     def unauthenticated(self) -> int:

@@ -2,13 +2,18 @@
 
 ``async with X(...) as x`` is ``x = await X(...).start()`` then, whatever happens, ``await
 x.close()``.  ``start`` returns the started object; ``close`` is idempotent and leaves no task
-behind.  No I/O here.
+behind.  :func:`started` is how such an object hands out a part it builds in ``start``.  No I/O
+here.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Self
+from typing import Self, TypeVar
+
+from .errors import ClosedError
+
+T = TypeVar("T")
 
 
 class Startable(ABC):
@@ -29,3 +34,11 @@ class Startable(ABC):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def started(part: T | None, owner: str) -> T:
+    """``part``, which ``owner`` builds when it starts; raises :class:`ClosedError`
+    (``"<owner> is not started"``) while it is None."""
+    if part is None:
+        raise ClosedError(f"{owner} is not started")
+    return part

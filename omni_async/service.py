@@ -14,7 +14,7 @@ from .agent import Agent
 from .config import AdapterOptions, ServiceConfig, load_config
 from .connector import Connector, create_connector
 from .errors import ClosedError, ConfigError
-from .lifecycle import Startable
+from .lifecycle import Startable, started
 from .region import BlockRegion
 
 if TYPE_CHECKING:
@@ -59,9 +59,7 @@ class ConnectorService(Startable):
 
     @property
     def connector(self) -> Connector:
-        if self._connector is None:
-            raise ClosedError("service is not started")
-        return self._connector
+        return started(self._connector, "service")
 
     @property
     def discovery(self) -> Discovery | None:

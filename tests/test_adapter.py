@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled, TransferRefused
+from omni_async.adapter import TransferAdapter
 from omni_async.config import AdapterOptions
 
 pytestmark = pytest.mark.timeout(60)
@@ -234,31 +235,31 @@ async def test_a_chunk_the_codec_cannot_carry_fails_only_its_own_save(make_servi
         await asyncio.wait_for(sender.save("big2", {"x": [-(2**64)]}), 5)
 
 
-class _BrokenWindow:
-    """Fault injection around the adapter's real window semaphore: acquiring it raises."""
+class _BreakableWindow(asyncio.Semaphore):
+    """Fault injection in a real window semaphore: once ``broken`` is set, acquiring it raises."""
 
-    def __init__(self, real: asyncio.Semaphore) -> None:
-        self.real = real
+    broken = False
 
     async def acquire(self) -> bool:
-        raise RuntimeError("injected fault in the save loop")
-
-    def release(self) -> None:
-        self.real.release()
+        if self.broken:
+            raise RuntimeError("injected fault in the save loop")
+        return await super().acquire()
 
 
 async def test_a_save_loop_that_dies_breaks_the_adapter_loudly(make_service):
     """An unexpected exception that ends the save loop fails every unsettled save at once and
     makes later saves raise, instead of leaving them waiting forever."""
-    _, _, sender, _ = await linked(make_service)
-    await asyncio.wait_for(sender.save("r", {"i": 0}), 5)
-    sender._window = _BrokenWindow(sender._window)
-    pending = [sender.save_async("r", {"i": i}) for i in range(1, 4)]
-    for save in pending:
+    tx, _, _, _ = await linked(make_service)
+    window = _BreakableWindow(4)
+    async with TransferAdapter(tx.connector, "thinker", peer_id="rx", window=window) as sender:
+        await asyncio.wait_for(sender.save("r", {"i": 0}), 5)
+        window.broken = True
+        pending = [sender.save_async("r", {"i": i}) for i in range(1, 4)]
+        for save in pending:
+            with pytest.raises(ClosedError, match="broken"):
+                await asyncio.wait_for(save, 5)
         with pytest.raises(ClosedError, match="broken"):
-            await asyncio.wait_for(save, 5)
-    with pytest.raises(ClosedError, match="broken"):
-        sender.save_async("r", {"i": 9})
+            sender.save_async("r", {"i": 9})
 
 
 def envelope(data, final=False):

@@ -14,6 +14,8 @@ import zmq.asyncio
 from omni_async.transport.lane import load_ucxx, new_context
 from omni_async.wire import MAX_CONTROL_BYTES, Heartbeat, Hello, Reject, Welcome, decode_control, encode_control
 
+from .helpers.procfs import fd_targets
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -115,17 +117,6 @@ async def test_malformed_agent_metadata_is_refused_without_crashing(make_agent):
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def fd_targets() -> list[str]:
-    """What each open descriptor is (to name a leak)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return sorted(out)
 
 
 async def test_handshake_flood_is_bounded(make_agent):

@@ -3,12 +3,14 @@
 import asyncio
 import gc
 import subprocess
+import weakref
 
 import numpy as np
 import pytest
 
 from omni_async import TransferFailed
 from omni_async.transport.lane import Lane, new_context
+from omni_async.transport.samehost import RingReceiver
 from omni_async.wire import FULL_MASK
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,6 +56,28 @@ async def test_a_raising_callback_never_unwinds_through_progress(owned):
         assert got == [bytes([i] * 8) for i in range(5)]
     finally:
         await close(sender, receiver)
+
+
+async def test_closed_lanes_and_ring_receivers_are_freed_when_dropped():
+    """Nothing in how a lane or a ring receiver queues its next turn ties it to itself: closed
+    and dropped, each is freed at once (with whatever its callbacks hold), not when the GC next
+    runs, so the descriptor checks that follow a close see it gone."""
+    loop = asyncio.get_running_loop()
+    sender, receiver = await lanes()
+    ring = RingReceiver(loop, lambda kind, payload: None, lambda error: None, lambda: False)
+    sent = loop.create_future()
+    sender.send(np.zeros(8, np.uint8), TAG, sent.set_result)  # queues a drive of each lane
+    ring.kick()  # queues a turn
+    await asyncio.wait_for(sent, 5)
+    await close(sender, receiver)
+    ring.close()
+    refs = [weakref.ref(part) for part in (sender, receiver, ring)]
+    gc.disable()
+    try:
+        del sender, receiver, ring
+        assert [ref() for ref in refs] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 async def test_a_sink_that_raises_fails_its_message_with_a_failed_ack(make_agent):

@@ -19,6 +19,7 @@ from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, Ri
 from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header
 
 from .conftest import FAST
+from .helpers.procfs import fd_targets
 from .test_shared import dev_shm, mapped, open_fds_to
 
 pytestmark = pytest.mark.timeout(90)
@@ -117,7 +118,7 @@ def test_a_consumers_garbage_tail_never_makes_the_producer_overwrite_blindly(tai
         accepted = producer.put(1, [b"x" * 10])
     except RingError:
         return
-    assert tail == 0 or not accepted or 0 <= producer._head - tail <= CAPACITY
+    assert tail == 0 or not accepted or 0 <= producer.head - tail <= CAPACITY
 
 
 def test_wrap_marker_and_framing_errors_are_typed():
@@ -126,8 +127,7 @@ def test_wrap_marker_and_framing_errors_are_typed():
     struct.pack_into("<Q", buffer, 0, 8)  # a wrap marker claiming the rest of the ring: only 8 bytes produced
     with pytest.raises(RingError, match="wrap marker"):
         consumer.take()
-    _, _, consumer = ring()
-    buffer = consumer._buf
+    buffer, _, consumer = ring()
     struct.pack_into("<II", buffer, HEADER_BYTES, 100, 1)
     struct.pack_into("<Q", buffer, 0, 16)  # a 100-byte record of which 8 bytes are produced
     with pytest.raises(RingError, match="leaves the ring"):
@@ -240,9 +240,9 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
     process keeps serving others."""
     a, b = await pair(make_agent)
     ring = a.transport.links["b"].ring_out
-    producer = ring._producer
+    producer = ring.producer
     if garbage == "head":
-        producer._ctl[0] = producer._head + 3 * samehost.RING_CAPACITY + 3
+        struct.pack_into("<Q", producer.buffer, 0, producer.head + 3 * samehost.RING_CAPACITY + 3)
     elif garbage == "kind":
         producer.put(9, [encode_header(Ack(1))])
     elif garbage == "goodbye":  # only ever sent over the lane
@@ -251,23 +251,13 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
         producer.put(samehost.KIND_MESSAGE, [encode_header(MessageHeader(1, 0, "k", b"", [1 << 20]))])
     else:
         producer.put(samehost.KIND_HEADER, [b"\xff" * 16])
-    os.write(ring._wake, b"\1")
+    ring.wake()
     async with asyncio.timeout(5):
         while "a" in b.peers:
             await asyncio.sleep(0.01)
     c = await make_agent(16, 4096, peer_id="c")
     await asyncio.wait_for(c.connect(b.control_address), 10)
     await asyncio.wait_for(c.write_blocks("b", [1], [1]), 5)
-
-
-def open_links() -> set[str]:
-    links = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            links.add(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-    return links
 
 
 async def test_removing_a_peer_releases_both_rings(make_agent):
@@ -284,7 +274,7 @@ async def test_removing_a_peer_releases_both_rings(make_agent):
     del ours
     gc.collect()
     assert open_fds_to(mine) == []  # a's ring: its memfd, and both mappings (each holds a descriptor)
-    assert pipe not in open_links()  # a's wake-up pipe: both ends closed (b's write end too, by b)
+    assert pipe not in fd_targets()  # a's wake-up pipe: both ends closed (b's write end too, by b)
     assert mapped(theirs) == []  # b's ring: a's mapping, and b's own (b dropped a too)
 
 
@@ -345,7 +335,7 @@ async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn
     assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
     await asyncio.wait_for(sender.proc.wait(), 10)
     gc.collect()
-    assert open_fds_to(mine) == [] and pipe not in open_links()  # our ring's memfd and pipe: closed
+    assert open_fds_to(mine) == [] and pipe not in fd_targets()  # our ring's memfd and pipe: closed
     other = await spawn_peer("serve", str(tmp_path / "o.memfd"), 16, 4096, {"peer_id": "o"})
     await asyncio.wait_for(agent.connect(other.info["address"]), 10)
     await asyncio.wait_for(agent.send_message("o", "k", b"", [np.ones(10, np.uint8)]), 10)

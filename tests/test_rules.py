@@ -197,11 +197,11 @@ async def test_cancelling_one_awaiter_leaves_the_transfer_and_its_other_awaiters
         await first
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(_await(transfer), 0.01)
-    assert transfer.state is State.PENDING and not second.done() and len(transfer._waiters) == 1
+    assert transfer.state is State.PENDING and not second.done() and transfer.waiters == 1
     transfer.set_failed(PeerLost("gone"))
     with pytest.raises(PeerLost, match="gone"):
         await asyncio.wait_for(second, 5)
-    assert transfer._waiters == []
+    assert transfer.waiters == 0
 
 
 async def test_cancelling_a_transfer_immediately_or_after_the_data_plane_lets_go():

@@ -272,7 +272,7 @@ class SyncTransferAdapter(Facade):
         agent = msgspec.structs.replace(config.agent, peer_id=config.agent.resolved_peer_id())
         config = msgspec.structs.replace(config, agent=agent)
         self._config = config
-        self._peer_id = agent.peer_id
+        self.peer_id = agent.peer_id
         engine = _AdapterEngine(config, stage, destination, source, use_uvloop)
         self._engine = engine
         self._portal = engine.portal
@@ -282,7 +282,7 @@ class SyncTransferAdapter(Facade):
         except BaseException:
             self._finalizer()
             raise
-        self._address = service.control_address
+        self.control_address = service.control_address
 
     def _describe(self) -> str:
         return f"{self.peer_id!r} stage={self.stage!r}"

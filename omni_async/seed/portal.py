@@ -203,17 +203,20 @@ class Portal:
 class Facade:
     """What both seed facades share: a :class:`Portal`, a finalizer that stops it, ``with`` support.
 
-    A subclass sets ``_portal`` and ``_finalizer`` (a :func:`weakref.finalize` of its engine's
-    shutdown, so an unreferenced facade is stopped too) and describes itself in ``_describe``.
+    A subclass sets ``_portal``, ``_finalizer`` (a :func:`weakref.finalize` of its engine's
+    shutdown, so an unreferenced facade is stopped too), :attr:`peer_id` and
+    :attr:`control_address`, and describes itself in ``_describe``.
     """
 
     _portal: Portal
     _finalizer: weakref.finalize[Any, Any]
-    _address: str
-    _peer_id: str
+    peer_id: str
+    """This side's agent-level id (what a peer's metadata, ``destination`` or ``source`` names)."""
+    control_address: str
+    """``tcp://host:port`` (``?key=`` and this side's public key under CURVE) peers dial."""
 
     def __repr__(self) -> str:
-        state = "closed" if self._portal.closed else f"at {self._address}"
+        state = "closed" if self._portal.closed else f"at {self.control_address}"
         return f"<{type(self).__name__} {self._describe()} {state}>"
 
     def _describe(self) -> str:
@@ -229,16 +232,6 @@ class Facade:
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop the facade's core runs on, in its daemon thread."""
         return self._portal.loop
-
-    @property
-    def peer_id(self) -> str:
-        """This side's agent-level id (what a peer's metadata, ``destination`` or ``source`` names)."""
-        return self._peer_id
-
-    @property
-    def control_address(self) -> str:
-        """``tcp://host:port`` (``?key=`` and this side's public key under CURVE) peers dial."""
-        return self._address
 
     def _stop(self) -> None:
         """Stop the portal (idempotent); refused on the loop's own thread."""

@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
@@ -263,6 +263,16 @@ class SyncDataTransport(Facade):
     view, or the agent's start error).  Use as a context manager or call :meth:`close`.
     """
 
+    # -- the seed's properties ------------------------------------------------------------------
+    base_addr: Final[int]
+    """Base address of the local block memory region (``ctypes.addressof`` of the view)."""
+    num_blocks: Final[int]
+    """Number of blocks in the local region."""
+    block_len: Final[int]
+    """Size of each block in bytes."""
+    config_fingerprint: Final[str]
+    """Seed-identical content hash of ``config_fields`` (hex, 16 chars); ``""`` = always compatible."""
+
     def __init__(
         self,
         view: memoryview,
@@ -286,13 +296,13 @@ class SyncDataTransport(Facade):
             config = msgspec.structs.replace(config, config_fields=config_fields)
         config = msgspec.structs.replace(config, peer_id=config.resolved_peer_id())
         self._view = view
-        self._base_addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        self.base_addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
         shape = view.shape
         assert shape is not None  # a 2-D view always has one
-        self._num_blocks, self._block_len = int(shape[0]), int(shape[1])
-        self._config_fingerprint = config_fingerprint(config.config_fields)
+        self.num_blocks, self.block_len = int(shape[0]), int(shape[1])
+        self.config_fingerprint = config_fingerprint(config.config_fields)
         self._config = config
-        self._peer_id = config.peer_id
+        self.peer_id = config.peer_id
         self._last_error: OmniAsyncError | None = None
         engine = _Engine(config, use_uvloop)
         self._engine = engine
@@ -303,32 +313,11 @@ class SyncDataTransport(Facade):
         except BaseException:
             self._finalizer()
             raise
-        self._address = _dialable(agent.control_address, advertise_host)
-        self._metadata = encode_agent_metadata(AgentCard(self._address, config.peer_id, self._config_fingerprint))
+        self.control_address = _dialable(agent.control_address, advertise_host)
+        self._metadata = encode_agent_metadata(AgentCard(self.control_address, config.peer_id, self.config_fingerprint))
 
     def _describe(self) -> str:
-        return f"{self.peer_id!r} {self._num_blocks}×{self._block_len}"
-
-    # -- the seed's properties ------------------------------------------------------------------
-    @property
-    def base_addr(self) -> int:
-        """Base address of the local block memory region (``ctypes.addressof`` of the view)."""
-        return self._base_addr
-
-    @property
-    def num_blocks(self) -> int:
-        """Number of blocks in the local region."""
-        return self._num_blocks
-
-    @property
-    def block_len(self) -> int:
-        """Size of each block in bytes."""
-        return self._block_len
-
-    @property
-    def config_fingerprint(self) -> str:
-        """Seed-identical content hash of ``config_fields`` (hex, 16 chars); ``""`` = always compatible."""
-        return self._config_fingerprint
+        return f"{self.peer_id!r} {self.num_blocks}×{self.block_len}"
 
     # -- extras (and peer_id, control_address, loop) --------------------------------------------
     @property

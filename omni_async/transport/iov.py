@@ -29,10 +29,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 UCS_OK: Final = 0
 UCS_INPROGRESS: Final = 1
@@ -61,6 +64,18 @@ class _RequestParam(ctypes.Structure):
     )
 
 
+class _ErrHandler(ctypes.Structure):
+    """``ucp_err_handler_t``: an error callback and its argument."""
+
+    _fields_ = (("cb", ctypes.c_void_p), ("arg", ctypes.c_void_p))
+
+
+class _SockAddr(ctypes.Structure):
+    """``ucs_sock_addr_t``: a ``struct sockaddr *`` and its length."""
+
+    _fields_ = (("addr", ctypes.c_void_p), ("addrlen", ctypes.c_uint32))
+
+
 class _EpParams(ctypes.Structure):
     """``ucp_ep_params_t`` (UCX 1.21); only ``field_mask``, ``address`` and ``err_mode`` are set."""
 
@@ -68,51 +83,40 @@ class _EpParams(ctypes.Structure):
         ("field_mask", ctypes.c_uint64),
         ("address", ctypes.c_void_p),
         ("err_mode", ctypes.c_int),
-        ("err_handler_cb", ctypes.c_void_p),
-        ("err_handler_arg", ctypes.c_void_p),
+        ("err_handler", _ErrHandler),
         ("user_data", ctypes.c_void_p),
         ("flags", ctypes.c_uint),
-        ("sockaddr", ctypes.c_void_p),
-        ("sockaddr_len", ctypes.c_uint32),
+        ("sockaddr", _SockAddr),
         ("conn_request", ctypes.c_void_p),
         ("name", ctypes.c_char_p),
-        ("local_sockaddr", ctypes.c_void_p),
-        ("local_sockaddr_len", ctypes.c_uint32),
+        ("local_sockaddr", _SockAddr),
     )
 
 
+_F = TypeVar("_F", bound="CFuncPtr")
+
+
+def _declared(function: _F, restype: type[Any] | None, *argtypes: type[Any]) -> _F:
+    """``function`` with its C signature set: ``restype function(argtypes...)``."""
+    function.restype = restype
+    function.argtypes = argtypes
+    return function
+
+
 class _Ucp:
-    """The libucp functions this module calls, bound with their C signatures."""
+    """The libucp functions this module calls, declared with their C signatures."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.send = lib.ucp_tag_send_nbx
-        self.send.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(_RequestParam)
-        ]
-        self.send.restype = ctypes.c_void_p
-        self.recv = lib.ucp_tag_msg_recv_nbx
-        self.recv.argtypes = [
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(_RequestParam)
-        ]
-        self.recv.restype = ctypes.c_void_p
-        self.check = lib.ucp_request_check_status
-        self.check.argtypes = [ctypes.c_void_p]
-        self.check.restype = ctypes.c_int8
-        self.free = lib.ucp_request_free
-        self.free.argtypes = [ctypes.c_void_p]
-        self.free.restype = None
-        self.probe = lib.ucp_tag_probe_nb
-        self.probe.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p]
-        self.probe.restype = ctypes.c_void_p
-        self.ep_create = lib.ucp_ep_create
-        self.ep_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpParams), ctypes.POINTER(ctypes.c_void_p)]
-        self.ep_create.restype = ctypes.c_int8
-        self.ep_close = lib.ucp_ep_close_nbx
-        self.ep_close.argtypes = [ctypes.c_void_p, ctypes.POINTER(_RequestParam)]
-        self.ep_close.restype = ctypes.c_void_p
-        self.strerror = lib.ucs_status_string
-        self.strerror.argtypes = [ctypes.c_int8]
-        self.strerror.restype = ctypes.c_char_p
+        ptr, size, u64, status = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int8
+        param = ctypes.POINTER(_RequestParam)
+        self.send = _declared(lib.ucp_tag_send_nbx, ptr, ptr, ptr, size, u64, param)
+        self.recv = _declared(lib.ucp_tag_msg_recv_nbx, ptr, ptr, ptr, size, ptr, param)
+        self.check = _declared(lib.ucp_request_check_status, status, ptr)
+        self.free = _declared(lib.ucp_request_free, None, ptr)
+        self.probe = _declared(lib.ucp_tag_probe_nb, ptr, ptr, u64, u64, ctypes.c_int, ptr)
+        self.ep_create = _declared(lib.ucp_ep_create, status, ptr, ctypes.POINTER(_EpParams), ctypes.POINTER(ptr))
+        self.ep_close = _declared(lib.ucp_ep_close_nbx, ptr, ptr, param)
+        self.strerror = _declared(lib.ucs_status_string, ctypes.c_char_p, status)
 
 
 @functools.cache

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 
 from ..errors import PeerLost, ProtocolError
 from . import iov
+from .turns import NextTurn, spin
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,9 @@ class Lane:
         self._pending: deque[tuple[Any, Completion, object]] = deque()
         self._watches: list[tuple[int, int, Arrival]] = []
         self._probe_info = iov.RecvInfo()
-        self._drive_scheduled = False
+        # One queued drive at a time, cleared only when it runs (not by the event fd's drives):
+        # under load, the calls queued per loop iteration stay bounded.
+        self._next_turn = NextTurn(loop)
         self._spin_misses = 0
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
@@ -170,7 +172,7 @@ class Lane:
         with :meth:`recv_arrived` or :meth:`recv_arrived_many`.
         """
         self._watches.append((tag, mask, on_arrival))
-        self._schedule_drive()
+        self._next_turn(self._drive)
 
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
         """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
@@ -205,19 +207,7 @@ class Lane:
             _run(done, _request_error(request))
             return
         self._pending.append((request, done, keepalive))
-        self._schedule_drive()
-
-    def _schedule_drive(self) -> None:
-        if not self._drive_scheduled:
-            self._drive_scheduled = True
-            self._loop.call_soon(self._scheduled_drive)
-
-    def _scheduled_drive(self) -> None:
-        # Only the scheduled call clears the flag: if any drive did (the event fd's too), every
-        # drive that posts a request would queue one more call and, under load, the calls
-        # queued per loop iteration would grow without bound.
-        self._drive_scheduled = False
-        self._drive()
+        self._next_turn(self._drive)
 
     def _drive(self) -> None:
         """Progress the worker (:meth:`_progress`), then tell ``on_progress``."""
@@ -249,7 +239,7 @@ class Lane:
             if more:
                 break  # arrivals left in UCX's queue: come back after the loop's other work
             if self.expecting is not None and self._may_spin() and self._expects():
-                if _spin(worker):
+                if spin(worker.progress_once, _SPIN):
                     self._spin_misses = 0
                     continue  # something moved while we waited briefly: handle it now
                 self._spin_misses += 1
@@ -258,7 +248,7 @@ class Lane:
         # UCX still has work (a large transfer, a flood of arrivals, or sends stuck towards a
         # dead peer until the control plane notices): come back after the loop has run its
         # other callbacks (other lanes, heartbeats), so no peer can starve the others.
-        self._schedule_drive()
+        self._next_turn(self._drive)
 
     expecting: Callable[[], bool] | None = None
     """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or
@@ -424,15 +414,6 @@ class _RawRequest:
         if self.handle:
             iov.free(self.handle)
             self.handle = 0
-
-
-def _spin(worker: Any) -> bool:
-    """Progress ``worker`` for up to ``_SPIN`` seconds; True as soon as something happened."""
-    deadline = time.perf_counter() + _SPIN
-    while time.perf_counter() < deadline:
-        if worker.progress_once():
-            return True
-    return False
 
 
 def _run(callback: Callable[..., None], *args: Any) -> None:

@@ -71,14 +71,17 @@ class RingError(ProtocolError):
 
 
 class _Ring:
-    __slots__ = ("_buf", "_ctl", "capacity", "data")
+    """One side's views of a ring: ``buffer`` (all of it, counters and records: the bytes both
+    sides share), ``data`` (the records part) and its ``capacity``."""
+
+    __slots__ = ("_ctl", "buffer", "capacity", "data")
 
     def __init__(self, buffer: memoryview) -> None:
         buf = buffer.cast("B") if buffer.format != "B" else buffer
         capacity = len(buf) - HEADER_BYTES
         if capacity < 64 or capacity & (capacity - 1):
             raise ValueError(f"a ring needs {HEADER_BYTES} + a power of two (>= 64) bytes, got {len(buf)}")
-        self._buf = buf
+        self.buffer = buf
         self._ctl = buf[:HEADER_BYTES].cast("Q")
         self.capacity = capacity
         self.data = buf[HEADER_BYTES:]
@@ -87,7 +90,7 @@ class _Ring:
         """Drop this side's views of the buffer (so a mapping under it can close)."""
         self.data.release()
         self._ctl.release()
-        self._buf.release()
+        self.buffer.release()
 
 
 class Producer(_Ring):
@@ -100,6 +103,11 @@ class Producer(_Ring):
         super().__init__(buffer)
         self._head = int(self._ctl[_HEAD])
         self._woken = -1
+
+    @property
+    def head(self) -> int:
+        """Bytes produced so far: this side's own count, which the consumer cannot move."""
+        return self._head
 
     def put(self, kind: int, parts: Sequence[bytes | memoryview]) -> bool:
         """Append one record whose payload is ``parts`` concatenated; False if the ring has no

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -40,6 +39,7 @@ from ..memfd import SharedSegment
 from ..wire import RingOffer
 from .ring import Consumer, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
+from .turns import NextTurn, spin
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class RingReceiver:
         self._consumer = Consumer(self._segment.array.data)
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
-        self._scheduled = False
+        self._next_turn = NextTurn(loop)
         self._active = False
         self._misses = 0
         self.turns = 0
@@ -120,13 +120,8 @@ class RingReceiver:
     def kick(self) -> None:
         """Run a turn soon (after the loop's ready callbacks): called after this side sent
         something that expects an answer, so the turn spins for it instead of sleeping."""
-        if not self._scheduled and not self._closed:
-            self._scheduled = True
-            self._loop.call_soon(self._rerun)
-
-    def _rerun(self) -> None:
-        self._scheduled = False
-        self.run()
+        if not self._closed:
+            self._next_turn(self.run)
 
     def run(self) -> None:
         """One turn: deliver the records published so far (at most a batch), then come back
@@ -140,7 +135,7 @@ class RingReceiver:
         try:
             delivered = self._take_batch()
             if not delivered and not self._closed and self._may_spin():
-                if _spin(consumer):
+                if spin(consumer.ready, SPIN):
                     self._misses = 0
                     delivered = self._take_batch()
                 else:
@@ -218,7 +213,8 @@ class RingSender:
             raise
         self._mapping = mapping
         self.token = offer.token
-        self._producer = Producer(memoryview(mapping))
+        self.producer = Producer(memoryview(mapping))
+        """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
         self.max_payload = max_payload(capacity)
         self.broken: OSError | None = None
         """Set once a wake-up failed (the peer closed the ring or exited): stop using it."""
@@ -227,16 +223,21 @@ class RingSender:
         """Append one record (``parts`` concatenated) and wake the peer if it sleeps; False if
         it does not fit now or the ring broke (send it another way).  Raises
         :class:`~.ring.RingError` if the peer corrupted the ring."""
-        if self.broken is not None or not self._producer.put(kind, parts):
+        if self.broken is not None or not self.producer.put(kind, parts):
             return False
-        if self._producer.wants_wake():
-            try:
-                os.write(self._wake, b"\1")
-            except BlockingIOError:
-                pass  # the pipe is full of wake-ups already
-            except OSError as exc:  # EPIPE: the peer's read end is gone
-                self.broken = exc
+        if self.producer.wants_wake():
+            self.wake()
         return True
+
+    def wake(self) -> None:
+        """Write a wake-up byte into the peer's pipe: its receiver runs a turn.  Sets
+        :attr:`broken` if the peer's end is gone."""
+        try:
+            os.write(self._wake, b"\1")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+        except OSError as exc:  # EPIPE: the peer's read end is gone
+            self.broken = exc
 
     def close(self) -> None:
         """Unmap the peer's ring and close the pipe.  Idempotent."""
@@ -244,13 +245,5 @@ class RingSender:
             return
         os.close(self._wake)
         self._wake = -1
-        self._producer.release()
+        self.producer.release()
         self._mapping.close()
-
-
-def _spin(consumer: Consumer) -> bool:
-    deadline = time.perf_counter() + SPIN
-    while time.perf_counter() < deadline:
-        if consumer.ready():
-            return True
-    return False

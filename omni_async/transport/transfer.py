@@ -68,6 +68,11 @@ class Transfer:
         """The failure, or None if pending or done."""
         return self._error
 
+    @property
+    def waiters(self) -> int:
+        """How many ``await`` expressions on this transfer are in progress (a cancelled one is forgotten)."""
+        return len(self._waiters)
+
     def add_done_callback(self, callback: Callable[[Transfer], None]) -> None:
         """Call ``callback(self)`` once settled (at once if already settled)."""
         if self.done():

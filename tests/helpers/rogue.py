@@ -55,7 +55,7 @@ class Rogue:
             assert isinstance(welcome, Welcome), welcome
             lane.connect(welcome.agent_metadata)
             rogue = cls(lane, sock)
-            beat = asyncio.create_task(rogue._heartbeat(), name="rogue-heartbeat")
+            beat = asyncio.create_task(rogue.heartbeat(), name="rogue-heartbeat")
             yield rogue
         finally:
             if beat is not None:
@@ -67,7 +67,8 @@ class Rogue:
             sock.close(0)
             ctx.term()
 
-    async def _heartbeat(self) -> None:
+    async def heartbeat(self) -> None:
+        """Send a heartbeat every 50 ms (forever: cancel it)."""
         while True:
             await self.sock.send(encode_control(Heartbeat()))
             await asyncio.sleep(0.05)
