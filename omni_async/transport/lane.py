@@ -219,9 +219,9 @@ class Lane:
 
     on_progress: Callable[[], None] | None = None
     """Set by the owner while it waits for the lane to go quiet (a drain): called after every
-    progress pass, once that pass's completions and arrivals ran.  A request that completes
-    when posted never counts in :attr:`in_flight`, so the owner looks once more itself after
-    anything it posts outside a pass."""
+    progress pass, once that pass's completions and arrivals ran.  A request that completes as
+    it is posted never counts in :attr:`in_flight` and causes no pass: an owner that posts
+    outside a pass looks at the lane itself afterwards."""
 
     def _progress(self) -> None:
         """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
