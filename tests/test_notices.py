@@ -145,6 +145,34 @@ async def test_notices_come_in_write_order_and_split_writes_yield_one(make_agent
     assert b.transport.notices.get_nowait() is None  # nothing more, nothing twice
 
 
+async def test_intents_wait_behind_noticed_headers_sent_over_ucx(make_agent):
+    """With no room in the ring, a same-host write with a notice travels over UCX; the
+    intents of the writes after it wait until it is answered (a ring record would overtake
+    it): the notices still come in write order."""
+    a, b = await pair(make_agent, True)
+    fill(a)
+    link = a.transport.links["b"]
+    ring = link.ring_out
+    assert ring is not None and link.direct is not None
+    put = ring.send
+    ring.send = lambda kind, parts: False  # type: ignore[method-assign]  # fault injection: "full"
+    writes = [a.write_blocks("b", [i], [63 - i], notice=b"%d" % i) for i in range(20)]
+    ring.send = put  # type: ignore[method-assign]
+    writes += [a.write_blocks("b", [i], [63 - i], notice=b"%d" % i) for i in range(20, 40)]
+    assert link.lane_noticed == {writes[0].id}  # the first went over UCX; it is not answered yet
+    assert len(link.held) == 39  # every later one waits (behind it, and in order)
+    await asyncio.wait_for(asyncio.gather(*writes), 10)
+    assert not link.held and not link.lane_noticed
+    got = []
+    async with asyncio.timeout(5):
+        async for notice in b.notices():
+            got.append(notice)
+            if len(got) == 40:
+                break
+    assert [n.data for n in got] == [b"%d" % i for i in range(40)] and not any(n.failed for n in got)
+    assert np.array_equal(b.region.array[63:23:-1], a.region.array[:40])
+
+
 @pytest.mark.parametrize("same_host", LANES)
 async def test_full_queue_holds_the_senders_writes_until_read(make_agent, same_host):
     a, b = await pair(make_agent, same_host, rx={"notice_queue": 2})

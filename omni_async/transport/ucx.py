@@ -332,7 +332,7 @@ class UcxTransport:
 
     def _ring_broke(self, link: PeerLink, error: ProtocolError) -> None:
         link.ring_in = None
-        self._fault(link.peer.peer_id, error)
+        self._drop(link, error)
 
     def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
         """Send a header through the peer's ring if there is one with room, else over UCX."""
@@ -341,7 +341,7 @@ class UcxTransport:
             if self._ring_put(link, data):
                 return
         except RingError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         link.lane.send(data, HEADER_TAG, done)
 
@@ -621,7 +621,7 @@ class UcxTransport:
             in_ring = link.direct is not None and self._ring_put(link, header)
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         if not in_ring:
             self._post_write(link, transfer_id, runs, True, tag)
@@ -649,7 +649,7 @@ class UcxTransport:
             if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
                 lost = PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}")
                 self._settle(link, transfer_id, lost)
-                self._fault(link.peer.peer_id, lost)
+                self._drop(link, lost)
             else:
                 log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
                 self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
@@ -787,7 +787,7 @@ class UcxTransport:
                 return "sent"
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return "sent"
         if ring.broken is not None:
             self._drop_ring_out(link)
@@ -807,7 +807,7 @@ class UcxTransport:
             return
         lost = PeerLost(f"data plane to {link.peer.peer_id!r} broke: {error}")
         self._settle(link, transfer_id, lost)
-        self._fault(link.peer.peer_id, lost)
+        self._drop(link, lost)
 
     def _expire(self, link: PeerLink, transfer_id: int) -> None:
         self._settle(
@@ -879,7 +879,7 @@ class UcxTransport:
     # -- receiving -------------------------------------------------------------------------
     def _header_arrived(self, link: PeerLink, _tag: int, length: int, message: Any) -> None:
         if length > MAX_HEADER_BYTES:
-            self._fault(link.peer.peer_id, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
+            self._drop(link, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
             return
         buffer = np.empty(length, np.uint8)
         link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
@@ -888,7 +888,7 @@ class UcxTransport:
         try:
             take = link.inbox.arrived(tag & SEQ_MASK, length, message)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         if take is not None:
             message, (buffers, done) = take
@@ -905,7 +905,7 @@ class UcxTransport:
             link.lane.recv_arrived_many([buffer], message, partial(self._on_header, link, buffer))
         else:
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
-            self._fault(link.peer.peer_id, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
+            self._drop(link, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
 
     def _admit(self, link: PeerLink, seq: int, messages: int, nbytes: int) -> bool:
         """Account a header's payload messages (``seq`` on) and chunk bytes against the
@@ -914,7 +914,7 @@ class UcxTransport:
         try:
             link.inbox.admit(seq, messages, nbytes)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return False
         return True
 
@@ -929,7 +929,7 @@ class UcxTransport:
         try:
             take = link.inbox.expect(seq, announced, (buffers, done))
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return False
         if take is not None:
             link.lane.recv_arrived_many(buffers, take[0], done)
@@ -941,7 +941,7 @@ class UcxTransport:
         try:
             header: DataHeader = decode_header(buffer.data)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         if link.ring_in is not None and _follows_ring(header):
             link.ring_in.drain()  # the intents the peer put into its ring before this come first
@@ -1030,7 +1030,7 @@ class UcxTransport:
         """An intent: the sender copies its rows now; it is answered (``refusal``, or done)
         on its commit, or fails on the write's abort or the peer's loss."""
         if len(link.intents) >= MAX_PENDING_PAYLOADS:
-            self._fault(link.peer.peer_id, ProtocolError(f"over {MAX_PENDING_PAYLOADS} intents awaiting a commit"))
+            self._drop(link, ProtocolError(f"over {MAX_PENDING_PAYLOADS} intents awaiting a commit"))
             return
         link.intents[req.transfer_id, req.part] = (answer, refusal)
 
@@ -1039,7 +1039,7 @@ class UcxTransport:
         intent = link.intents.pop((commit.transfer_id, commit.part), None)
         if intent is None:
             error = ProtocolError(f"commit of write {commit.transfer_id} part {commit.part}, which announced no intent")
-            self._fault(link.peer.peer_id, error)
+            self._drop(link, error)
             return
         answer, refusal = intent
         answer(refusal)
@@ -1066,7 +1066,7 @@ class UcxTransport:
                 raise ProtocolError(f"notice of {len(req.notice)} bytes exceeds this side's limit of {limit}")
             link.notices.seen(req.transfer_id, req.part, req.parts, req.runs if valid else [], req.notice)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return None
         return partial(self._answer_noticed, link, req.transfer_id, answer)
 
@@ -1107,7 +1107,7 @@ class UcxTransport:
         try:
             nbytes = validate_message(hdr, self.config.max_message_bytes)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         if not self._admit(link, hdr.seq, 1 if nbytes else 0, nbytes):
             return
@@ -1196,6 +1196,13 @@ class UcxTransport:
             self.notices.close()
         await asyncio.gather(*list(self._drains))
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
+
+    def _drop(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Tell the owner to drop the peer of ``link`` (it broke the protocol, or its lane or
+        process is gone), unless the link was removed already: what a removed link still
+        handles (its draining lane, the ring records drained on removal) drops nobody."""
+        if self._links.get(link.peer.peer_id) is link:
+            self._fault(link.peer.peer_id, error)
 
     def _check_open(self) -> None:
         if self._closed:
