@@ -173,6 +173,20 @@ async def test_intents_wait_behind_noticed_headers_sent_over_ucx(make_agent):
     assert np.array_equal(b.region.array[63:23:-1], a.region.array[:40])
 
 
+async def test_removing_a_peer_first_takes_the_intents_in_its_ring(make_agent):
+    """A peer removed before this side read its ring (as when it is lost right after it
+    wrote there) still counts what it put there: its intent yields a failed notice."""
+    a, b = await pair(make_agent, True)
+    write = a.write_blocks("b", [1, 2], [3, 4], notice=b"last")  # intent, copy, commit: all in b's ring
+    assert await b.remove_peer("a")  # (nothing yields to the loop in between: b has not read its ring)
+    notice = b.transport.notices.get_nowait()
+    assert notice is not None and (notice.remote_idxs, notice.data) == ((3, 4), b"last")
+    assert isinstance(notice.failed, PeerLost)  # not acknowledged: the sender does not count it done either
+    assert b.transport.notices.get_nowait() is None
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(write, 5)
+
+
 @pytest.mark.parametrize("same_host", LANES)
 async def test_full_queue_holds_the_senders_writes_until_read(make_agent, same_host):
     a, b = await pair(make_agent, same_host, rx={"notice_queue": 2})
