@@ -6,7 +6,9 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
   :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message on
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
   a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
-  into the peer's region instead and sends only a ``placed`` header;
+  into the peer's region instead and sends only a ``placed`` header (with a notice: that
+  header goes into the peer's ring *before* the copy, an intent, and a
+  :class:`~omni_async.wire.Commit` follows it);
 * between peers on one host, placed-write headers, acknowledgements and chunk messages that
   fit go through a shared-memory ring instead of the lane (:mod:`.samehost`, offered with a
   :class:`~omni_async.wire.RingOffer` right after connecting);
