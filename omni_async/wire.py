@@ -166,6 +166,10 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     ``notice``: the receiver's application is told (with this data) once every request of the
     transfer is in place, before the acknowledgement that settles it; a transfer split into
     ``parts`` requests carries it on each, numbered by ``part``.
+
+    A request that is both ``placed`` and carries a ``notice`` is an *intent*: it announces the
+    rows before the sender copies into them (through the same-host ring, so that the receiver
+    knows of it even if the sender dies during the copy); a :class:`Commit` finishes it.
     """
 
     transfer_id: NonNeg
@@ -219,6 +223,15 @@ class Abort(_Msg, tag="x", frozen=True):
     reason: Reason = ""
 
 
+class Commit(_Msg, tag="c", frozen=True):
+    """The rows that request ``part`` of write ``transfer_id`` announced (an intent: a placed
+    :class:`WriteRequest` with a notice) are copied: the receiver answers it now.  A commit
+    with no intent before it is a protocol violation."""
+
+    transfer_id: NonNeg
+    part: NonNeg = 0
+
+
 class Goodbye(_Msg, tag="g", frozen=True):
     """The sender's last message on a lane: it sends nothing more.  Both sides send one when a
     peer leaves in order, and close the lane once they have the other's and nothing is pending."""
@@ -237,7 +250,7 @@ class RingOffer(_Msg, tag="ring", frozen=True):
     capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
 
 
-DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Goodbye | RingOffer
+DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Commit | Goodbye | RingOffer
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)

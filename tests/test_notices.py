@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import signal
 import time
 
 import numpy as np
@@ -17,9 +18,18 @@ from omni_async import (
     TransferCancelled,
 )
 from omni_async.transport.notices import NoticeBook, NoticeQueue
-from omni_async.wire import HEADER_TAG, MAX_HEADER_BYTES, RUNS_PER_REQUEST, Abort, WriteRequest, encode_header
+from omni_async.wire import (
+    HEADER_TAG,
+    MAX_HEADER_BYTES,
+    RUNS_PER_REQUEST,
+    Abort,
+    Commit,
+    WriteRequest,
+    encode_header,
+)
 
 from .conftest import FAST
+from .helpers.peer import random_rows
 from .helpers.rogue import Rogue
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,6 +145,48 @@ async def test_notices_come_in_write_order_and_split_writes_yield_one(make_agent
     assert b.transport.notices.get_nowait() is None  # nothing more, nothing twice
 
 
+async def test_intents_wait_behind_noticed_headers_sent_over_ucx(make_agent):
+    """With no room in the ring, a same-host write with a notice travels over UCX; the
+    intents of the writes after it wait until it is answered (a ring record would overtake
+    it): the notices still come in write order."""
+    a, b = await pair(make_agent, True)
+    fill(a)
+    link = a.transport.links["b"]
+    ring = link.ring_out
+    assert ring is not None and link.direct is not None
+    put = ring.send
+    ring.send = lambda kind, parts: False  # type: ignore[method-assign]  # fault injection: "full"
+    writes = [a.write_blocks("b", [i], [63 - i], notice=b"%d" % i) for i in range(20)]
+    ring.send = put  # type: ignore[method-assign]
+    writes += [a.write_blocks("b", [i], [63 - i], notice=b"%d" % i) for i in range(20, 40)]
+    assert link.lane_noticed == {writes[0].id}  # the first went over UCX; it is not answered yet
+    assert len(link.held) == 39  # every later one waits (behind it, and in order)
+    await asyncio.wait_for(asyncio.gather(*writes), 10)
+    assert not link.held and not link.lane_noticed
+    got = []
+    async with asyncio.timeout(5):
+        async for notice in b.notices():
+            got.append(notice)
+            if len(got) == 40:
+                break
+    assert [n.data for n in got] == [b"%d" % i for i in range(40)] and not any(n.failed for n in got)
+    assert np.array_equal(b.region.array[63:23:-1], a.region.array[:40])
+
+
+async def test_removing_a_peer_first_takes_the_intents_in_its_ring(make_agent):
+    """A peer removed before this side read its ring (as when it is lost right after it
+    wrote there) still counts what it put there: its intent yields a failed notice."""
+    a, b = await pair(make_agent, True)
+    write = a.write_blocks("b", [1, 2], [3, 4], notice=b"last")  # intent, copy, commit: all in b's ring
+    assert await b.remove_peer("a")  # (nothing yields to the loop in between: b has not read its ring)
+    notice = b.transport.notices.get_nowait()
+    assert notice is not None and (notice.remote_idxs, notice.data) == ((3, 4), b"last")
+    assert isinstance(notice.failed, PeerLost)  # not acknowledged: the sender does not count it done either
+    assert b.transport.notices.get_nowait() is None
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(write, 5)
+
+
 @pytest.mark.parametrize("same_host", LANES)
 async def test_full_queue_holds_the_senders_writes_until_read(make_agent, same_host):
     a, b = await pair(make_agent, same_host, rx={"notice_queue": 2})
@@ -205,6 +257,38 @@ async def test_abort_after_part_of_a_write_yields_a_failed_notice_with_its_rows(
         notice = await anext(b.notices())
     assert notice.remote_idxs == (7,) and isinstance(notice.failed, PeerLost)
     assert time.monotonic() - started < FAST["heartbeat_timeout"] + 1.0
+
+
+async def test_intent_is_answered_on_its_commit_and_stray_commits_drop_the_peer(make_agent):
+    """A placed request with a notice is an intent: nothing is notified (or acknowledged)
+    before its Commit; a commit that follows no intent, or commits one twice, is a
+    protocol violation (the peer is dropped, nothing is notified for it)."""
+    b = await make_agent(peer_id="b")
+    async with Rogue.join(b.control_address) as rogue:
+        await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+        rogue.send(encode_header(WriteRequest(4, 0, [(5, 3)], placed=True, notice=b"i")), HEADER_TAG)
+        await asyncio.sleep(0.2)
+        assert b.transport.notices.get_nowait() is None  # announced, not copied yet
+        rogue.send(encode_header(Commit(4)), HEADER_TAG)
+        async with asyncio.timeout(5):
+            notice = await anext(b.notices())
+        assert notice == Notice("rogue", (5, 6, 7), b"i")
+        rogue.send(encode_header(Commit(4)), HEADER_TAG)  # once more: no intent left
+        async with asyncio.timeout(5):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.02)
+    for stray in (Commit(77), Commit(8, part=1)):  # an unknown write; a part never announced
+        async with Rogue.join(b.control_address) as rogue:
+            await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+            rogue.send(encode_header(WriteRequest(8, 0, [(1, 1)], placed=True, notice=b"j", parts=2)), HEADER_TAG)
+            rogue.send(encode_header(stray), HEADER_TAG)
+            async with asyncio.timeout(5):
+                while "rogue" in b.peers:
+                    await asyncio.sleep(0.02)
+        async with asyncio.timeout(5):
+            notice = await anext(b.notices())  # the announced rows fail with the peer, saying why
+        assert notice.remote_idxs == (1,) and isinstance(notice.failed, ProtocolError)
+    assert b.transport.notices.get_nowait() is None
 
 
 async def test_notice_over_the_announced_limit_is_a_protocol_violation(make_agent):
@@ -282,3 +366,28 @@ async def test_receiver_restart_no_notice_lost_or_duplicated(make_agent, spawn_p
         assert set(acked[life]) <= set(numbers)  # every acknowledged write was notified in this life
         assert all(base <= n < base + 1000 for n in numbers)  # nothing of the other life
     assert len(acked[1]) == 1000 and acked[0]
+
+
+@pytest.mark.timeout(60)
+async def test_sender_killed_between_copy_and_commit_yields_one_failed_notice(make_agent, spawn_peer, tmp_path):
+    """A same-host write with a notice announces itself in the receiver's ring before any byte
+    is copied: a sender killed after the copy, before its commit, leaves changed rows that the
+    receiver hears of, as one failed notice naming them, within the heartbeat timeout."""
+    b = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx")
+    got: list[Notice] = []
+    b.set_notice_sink(got.append)
+    sender = await spawn_peer("doomed", str(tmp_path / "tx.memfd"), NUM_BLOCKS, BLOCK_LEN, {"peer_id": "tx"},
+                              b.control_address)
+    assert sender.info["direct"] in ("memfd", "vm")  # the same-host copy is what this is about
+    assert await asyncio.wait_for(sender.proc.wait(), 10) == -signal.SIGKILL
+    died = time.monotonic()
+    async with asyncio.timeout(FAST["heartbeat_timeout"] + 3.0):
+        while not got:
+            await asyncio.sleep(0.01)
+    assert time.monotonic() - died < FAST["heartbeat_timeout"] + 1.0
+    assert np.array_equal(b.region.array, random_rows(b.region.array.shape, 23))  # the copy did land
+    notice = got[0]
+    assert (notice.peer_id, notice.data, notice.remote_idxs) == ("tx", b"doomed", tuple(range(NUM_BLOCKS)))
+    assert isinstance(notice.failed, PeerLost)
+    await asyncio.sleep(0.3)
+    assert len(got) == 1  # exactly once

@@ -278,6 +278,33 @@ async def test_removing_a_peer_releases_both_rings(make_agent):
     assert mapped(theirs) == []  # b's ring: a's mapping, and b's own (b dropped a too)
 
 
+async def test_drain_delivers_every_published_record_now_but_never_inside_a_turn():
+    """What the receiver does before acting on news from elsewhere (a goodbye, a commit over
+    the lane, the peer's loss): every record published so far, beyond one turn's batch."""
+    got: list[bytes] = []
+    nested: list[int] = []
+
+    def deliver(kind: int, payload: memoryview) -> None:
+        got.append(bytes(payload))
+        if len(got) == 1:
+            receiver.drain()  # inside a turn: nothing (the turn delivers the rest, in order)
+            nested.append(len(got))
+
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), deliver, lambda exc: None, lambda: False,
+                                     capacity=1 << 16)
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        for i in range(600):  # more than one turn takes
+            assert sender.send(samehost.KIND_HEADER, [b"%d" % i])
+        receiver.drain()
+        assert got == [b"%d" % i for i in range(600)] and nested == [1]
+        receiver.drain()  # nothing new: nothing twice
+        assert len(got) == 600
+    finally:
+        sender.close()
+        receiver.close()
+
+
 # -- two processes, kill -9 of either side ----------------------------------------------------------
 async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path):
     before = dev_shm()

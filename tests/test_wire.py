@@ -9,6 +9,7 @@ from omni_async import ProtocolError, wire
 from omni_async.wire import (
     Ack,
     Bye,
+    Commit,
     Heartbeat,
     Hello,
     MessageHeader,
@@ -34,6 +35,8 @@ HEADERS = [
     MessageHeader(transfer_id=2, seq=5, key="r:0:1", meta=b"m", frames=[10, 0, 4]),
     Ack(transfer_id=3),
     Ack(transfer_id=3, code="invalid_blocks", reason="bad"),
+    WriteRequest(transfer_id=4, seq=0, runs=[(2, 2)], placed=True, notice=b"n", part=1, parts=2),  # an intent
+    Commit(transfer_id=4, part=1),
 ]
 
 
@@ -83,6 +86,13 @@ def test_header_length_prefix_checked():
         encode_header(WriteRequest(transfer_id=1, seq=0, runs=[(1 << 40, 1 << 40)] * 10_000))
 
 
+def test_commit_names_a_request_by_exact_non_negative_ints():
+    assert decode_header(encode_header(Commit(7))) == Commit(7, 0)  # part 0 unless said
+    for bad in (Commit(-1), Commit(1, -1), Commit(1, True), Commit("1")):  # type: ignore[arg-type]
+        with pytest.raises(ProtocolError):
+            decode_header(encode_header(bad))
+
+
 def test_validate_write_bounds_and_limit():
     assert validate_write(WriteRequest(1, 0, [(0, 4), (60, 4)]), 64, 100) == 8
     with pytest.raises(ProtocolError, match="exceeds the region"):
@@ -117,7 +127,7 @@ def _decode_header_or_protocol_error(data: bytes) -> None:
         msg = decode_header(data)
     except ProtocolError:
         return
-    assert isinstance(msg, (WriteRequest, MessageHeader, Ack))
+    assert isinstance(msg, (WriteRequest, MessageHeader, Ack, Commit))
 
 
 @given(st.binary(max_size=512))

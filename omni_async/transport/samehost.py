@@ -87,6 +87,7 @@ class RingReceiver:
         self._next_turn = NextTurn(loop)
         self._active = False
         self._misses = 0
+        self._delivering = False
         self.turns = 0
         """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
@@ -150,22 +151,39 @@ class RingReceiver:
             self.close()
             self._fault(exc)
 
+    def drain(self) -> None:
+        """Deliver every record published so far, now (before acting on something that came
+        another way: the peer's goodbye, its loss, a header that refers to earlier records).
+        Does nothing inside a turn (the turn delivers them) or once closed."""
+        if self._closed or self._delivering:
+            return
+        try:
+            while self._take_batch() == _BATCH and not self._closed:
+                pass
+        except ProtocolError as exc:
+            self.close()
+            self._fault(exc)
+
     def _take_batch(self) -> int:
         consumer = self._consumer
         delivered = 0
-        while delivered < _BATCH:
-            record = consumer.take()
-            if record is None:
-                break
-            delivered += 1
-            try:
-                self._deliver(*record)
-            except ProtocolError:
-                raise
-            except Exception:  # a handler bug fails that record, not the ring
-                log.exception("handling a ring record failed")
-            if self._closed:
-                return delivered
+        self._delivering = True
+        try:
+            while delivered < _BATCH:
+                record = consumer.take()
+                if record is None:
+                    break
+                delivered += 1
+                try:
+                    self._deliver(*record)
+                except ProtocolError:
+                    raise
+                except Exception:  # a handler bug fails that record, not the ring
+                    log.exception("handling a ring record failed")
+                if self._closed:
+                    return delivered
+        finally:
+            self._delivering = False
         consumer.commit()
         return delivered
 

@@ -6,7 +6,9 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
   :class:`~omni_async.wire.MessageHeader`) on ``HEADER_TAG``, then one payload message on
   ``data_tag(seq)`` gathered from every coalesced run or frame (an IOV send, see :mod:`.iov`);
   a block write to a peer on this host with a direct writer (:mod:`.shared`) copies the rows
-  into the peer's region instead and sends only a ``placed`` header;
+  into the peer's region instead and sends only a ``placed`` header (with a notice: that
+  header goes into the peer's ring *before* the copy, an intent, and a
+  :class:`~omni_async.wire.Commit` follows it);
 * between peers on one host, placed-write headers, acknowledgements and chunk messages that
   fit go through a shared-memory ring instead of the lane (:mod:`.samehost`, offered with a
   :class:`~omni_async.wire.RingOffer` right after connecting);
@@ -70,6 +72,7 @@ from ..wire import (
     SEQ_MASK,
     Abort,
     Ack,
+    Commit,
     DataHeader,
     Goodbye,
     MessageHeader,
@@ -164,6 +167,16 @@ class PeerLink:
     direct: Writers | None = None
     """Write blocks straight into the peer's regions, one per region of its set (same host,
     see :mod:`.shared`); None: block payloads go through UCX."""
+    notice_answers: dict[int, int] = field(default_factory=dict)
+    """Requests with a notice posted to the peer and not answered yet, by transfer."""
+    lane_noticed: set[int] = field(default_factory=set)
+    """Transfers of ``notice_answers`` that sent a header with a notice over the lane: until
+    they are answered, no intent goes into the ring (it could overtake them)."""
+    held: deque[tuple[int, bool, Callable[[], None]]] = field(default_factory=deque)
+    """Requests with a notice waiting, in order, for ``lane_noticed`` to empty."""
+    intents: dict[tuple[int, int], tuple[Completion, OmniAsyncError | None]] = field(default_factory=dict)
+    """The peer's intents (placed requests with a notice) by ``(transfer, part)``, awaiting
+    their :class:`~omni_async.wire.Commit`: what answers each, and the refusal if invalid."""
     notices: NoticeBook[Callable[[], None]] = field(init=False)
     """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
     ring_in: RingReceiver | None = None
@@ -314,31 +327,40 @@ class UcxTransport:
         header = decode_header(payload)
         if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
             self._on_ring_message(link, header, payload)
-        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack):
+        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack | Commit):
             self._handle_header(link, header)  # Goodbye and RingOffer come only over the lane
         else:
             raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
 
     def _ring_broke(self, link: PeerLink, error: ProtocolError) -> None:
         link.ring_in = None
-        self._fault(link.peer.peer_id, error)
+        self._drop(link, error)
 
     def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
         """Send a header through the peer's ring if there is one with room, else over UCX."""
         data = encode_header(header)
-        ring = link.ring_out
-        if ring is not None:
-            try:
-                if ring.send(KIND_HEADER, (data,)):
-                    if link.sent and link.ring_in is not None:
-                        link.ring_in.kick()  # spin for the answer rather than sleep
-                    return
-            except RingError as exc:
-                self._fault(link.peer.peer_id, exc)
+        try:
+            if self._ring_put(link, data):
                 return
-            if ring.broken is not None:
-                self._drop_ring_out(link)
+        except RingError as exc:
+            self._drop(link, exc)
+            return
         link.lane.send(data, HEADER_TAG, done)
+
+    def _ring_put(self, link: PeerLink, data: bytes) -> bool:
+        """Put one encoded header into the peer's ring, where the peer sees it on return;
+        False if there is no ring, no room, or it broke (send it another way).  Raises
+        :class:`RingError` if the peer corrupted the ring."""
+        ring = link.ring_out
+        if ring is None:
+            return False
+        if ring.send(KIND_HEADER, (data,)):
+            if link.sent and link.ring_in is not None:
+                link.ring_in.kick()  # spin for the answer rather than sleep
+            return True
+        if ring.broken is not None:
+            self._drop_ring_out(link)
+        return False
 
     def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
         """Fail the peer's in-flight transfers with ``error`` and close its lane.
@@ -352,11 +374,17 @@ class UcxTransport:
         link = self._links.pop(peer_id, None)
         if link is None:
             return False
+        if link.ring_in is not None:
+            # What the peer put into its ring before it was lost counts (an intent above all:
+            # its rows may be changing); acknowledgements settle, nothing is answered.
+            link.ring_in.drain()
         error = error or PeerLost(f"peer {peer_id!r} removed")
         for notice in link.notices.lost(error):  # the writes it was sending us fail
             self.notices.offer(notice, _nothing)
         link.outbox.clear()
         link.parked.clear()
+        link.held.clear()
+        link.intents.clear()
         self._drop_direct(link)
         self._drop_rings(link)
         for transfer_id in list(link.sent):
@@ -485,6 +513,8 @@ class UcxTransport:
         # requests under the same transfer id, settled by the last acknowledgement.
         direct = link.direct
         placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
+        # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
+        placed = placed and (notice is None or link.ring_out is not None)
         requests: list[tuple[int, int, Callable[[], None]]] = []
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
@@ -494,7 +524,11 @@ class UcxTransport:
             if placed:  # same host: copied straight into the peer's rows, no payload message
                 # A request with a notice counts as a payload message: the receiver's bound
                 # on writes with notices pending is the window's.
-                requests.append((0 if tag is None else 1, 0, partial(self._place, link, transfer.id, request, tag)))
+                if tag is None:
+                    requests.append((0, 0, partial(self._place, link, transfer.id, request)))
+                else:
+                    place = partial(self._place_noticed, link, transfer.id, request, tag)
+                    requests.append((1, 0, partial(self._gate, link, transfer.id, True, place)))
                 continue
             nbytes = sum(run.length for run in request) * block_bytes
             messages = len(request) * layers
@@ -502,6 +536,8 @@ class UcxTransport:
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
             gather = link.gather and messages > 1 and nbytes < _GATHER_MAX_RUN * messages
             post = partial(self._post_write, link, transfer.id, request, gather, tag)
+            if tag is not None:
+                post = partial(self._gate, link, transfer.id, False, post)
             requests.append((1 if gather else messages, 0, post))
         _carry_out(link.outbox.submit(transfer.id, requests, noticed=notice is not None))
         return transfer
@@ -569,6 +605,8 @@ class UcxTransport:
         """Send one write request (within the receiver's limits) and its payload."""
         seq = link.outbox.take_seq(1 if gather else len(runs) * len(self._arrays))
         header = _write_request(transfer_id, seq, runs, tag, gathered=gather)
+        if tag is not None:
+            self._count_noticed(link, transfer_id, lane=True)
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
@@ -579,8 +617,35 @@ class UcxTransport:
             for i, row in enumerate(rows):
                 lane.send(row, data_tag(seq + i), on_sent)
 
-    def _place(self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None) -> None:
-        """Copy the runs straight into the peer's region, then tell it with a ``placed`` header.
+    def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
+        """Copy the runs straight into the peer's region, then tell it with a ``placed`` header
+        (a write without a notice: nobody but the sender awaits it)."""
+        if self._copy(link, transfer_id, runs):
+            header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
+            self._send_header(link, header, partial(self._sent, link, transfer_id))
+
+    def _place_noticed(self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag) -> None:
+        """A request with a notice to a peer on this host: its intent (the ``placed`` header)
+        goes into the peer's ring before any byte is copied, so that the peer knows of the
+        write even if this process dies during the copy; a :class:`~omni_async.wire.Commit`
+        follows the copy.  With no room in a ring (none, full, broken) the rows travel over
+        UCX behind their header instead (one gathered message: the window share it took)."""
+        header = encode_header(_write_request(transfer_id, link.outbox.take_seq(0), runs, tag, placed=True))
+        try:
+            in_ring = link.direct is not None and self._ring_put(link, header)
+        except RingError as exc:
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
+            self._drop(link, exc)
+            return
+        if not in_ring:
+            self._post_write(link, transfer_id, runs, True, tag)
+            return
+        self._count_noticed(link, transfer_id, lane=False)
+        if self._copy(link, transfer_id, runs):
+            self._send_header(link, Commit(transfer_id, tag.part), partial(self._sent, link, transfer_id))
+
+    def _copy(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> bool:
+        """Copy the runs into the peer's region (same host); False if that failed.
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
         through ``fault``, like a broken lane); any other failure (no permission) fails this
@@ -590,7 +655,7 @@ class UcxTransport:
         direct = link.direct
         if direct is None:
             self._settle(link, transfer_id, TransferFailed("the same-host lane to the peer was closed"))
-            return
+            return False
         try:
             direct.place(self._arrays, runs)
         except OSError as exc:
@@ -598,17 +663,38 @@ class UcxTransport:
             if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
                 lost = PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}")
                 self._settle(link, transfer_id, lost)
-                self._fault(link.peer.peer_id, lost)
+                self._drop(link, lost)
             else:
                 log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
                 self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
-            return
-        seq = link.outbox.take_seq(0)
-        header = _write_request(transfer_id, seq, runs, tag, placed=True)
-        if tag is None:  # a write with a notice keeps the lane: notices follow header order
-            self._send_header(link, header, partial(self._sent, link, transfer_id))
+            return False
+        return True
+
+    def _gate(self, link: PeerLink, transfer_id: int, ring: bool, post: Callable[[], None]) -> None:
+        """Post a request with a notice in write order: behind the ones held already and, if it
+        goes into the ring (``ring``), only once every such header sent over the lane is
+        answered (a ring record could overtake it, and notices follow write order)."""
+        if link.held or (ring and link.lane_noticed):
+            link.held.append((transfer_id, ring, post))
         else:
-            link.lane.send(encode_header(header), HEADER_TAG, partial(self._sent, link, transfer_id))
+            post()
+
+    def _release_held(self, link: PeerLink) -> None:
+        """Post the held requests that may go now, in order (see :meth:`_gate`)."""
+        held = link.held
+        while held and not (held[0][1] and link.lane_noticed):
+            transfer_id, _ring, post = held.popleft()
+            if transfer_id in link.sent:
+                post()
+            else:  # settled while it waited: never sent, so never answered; free its share
+                _carry_out(link.outbox.answered(transfer_id, "", "")[2])
+
+    @staticmethod
+    def _count_noticed(link: PeerLink, transfer_id: int, *, lane: bool) -> None:
+        """A request with a notice is posted (``lane``: its header went over UCX)."""
+        link.notice_answers[transfer_id] = link.notice_answers.get(transfer_id, 0) + 1
+        if lane:
+            link.lane_noticed.add(transfer_id)
 
     @staticmethod
     def _drop_direct(link: PeerLink) -> None:
@@ -715,7 +801,7 @@ class UcxTransport:
                 return "sent"
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return "sent"
         if ring.broken is not None:
             self._drop_ring_out(link)
@@ -738,7 +824,7 @@ class UcxTransport:
             return
         lost = PeerLost(f"data plane to {link.peer.peer_id!r} broke: {error}")
         self._settle(link, transfer_id, lost)
-        self._fault(link.peer.peer_id, lost)
+        self._drop(link, lost)
 
     def _deadlines_due(self, link: PeerLink) -> None:
         """The link's deadline timer went off: arm it for the next deadline, expire what is due."""
@@ -814,7 +900,7 @@ class UcxTransport:
     # -- receiving -------------------------------------------------------------------------
     def _header_arrived(self, link: PeerLink, _tag: int, length: int, message: Any) -> None:
         if length > MAX_HEADER_BYTES:
-            self._fault(link.peer.peer_id, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
+            self._drop(link, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
             return
         buffer = np.empty(length, np.uint8)
         link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
@@ -823,7 +909,7 @@ class UcxTransport:
         try:
             take = link.inbox.arrived(tag & SEQ_MASK, length, message)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         if take is not None:
             message, (buffers, done) = take
@@ -840,7 +926,7 @@ class UcxTransport:
             link.lane.recv_arrived_many([buffer], message, partial(self._on_header, link, buffer))
         else:
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
-            self._fault(link.peer.peer_id, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
+            self._drop(link, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
 
     def _admit(self, link: PeerLink, seq: int, messages: int, nbytes: int) -> bool:
         """Account a header's payload messages (``seq`` on) and chunk bytes against the
@@ -849,7 +935,7 @@ class UcxTransport:
         try:
             link.inbox.admit(seq, messages, nbytes)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return False
         return True
 
@@ -864,7 +950,7 @@ class UcxTransport:
         try:
             take = link.inbox.expect(seq, announced, (buffers, done))
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return False
         if take is not None:
             link.lane.recv_arrived_many(buffers, take[0], done)
@@ -876,8 +962,10 @@ class UcxTransport:
         try:
             header: DataHeader = decode_header(buffer.data)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
+        if link.ring_in is not None and _follows_ring(header):
+            link.ring_in.drain()  # the intents the peer put into its ring before this come first
         self._handle_header(link, header)
 
     def _handle_header(self, link: PeerLink, header: DataHeader) -> None:
@@ -892,9 +980,10 @@ class UcxTransport:
             self._on_ring_offer(link, header)
         elif isinstance(header, ReadRequest):
             self._on_read(link, header)
+        elif isinstance(header, Commit):
+            self._on_commit(link, header)
         elif isinstance(header, Abort):
-            error = error_from_code(header.code, header.reason or "the sender gave the write up")
-            self._queue_notices(link.notices.aborted(header.transfer_id, error))
+            self._on_abort(link, header)
         else:
             self._on_message(link, header)
 
@@ -902,16 +991,25 @@ class UcxTransport:
         """The peer leaves: what it put into the ring before comes first; a peer that leaves
         first is removed (its lane drains) and the owner told."""
         if link.ring_in is not None:
-            link.ring_in.run()
+            link.ring_in.drain()
         if link.drain.goodbye():
             gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
             self.remove_peer(link.peer.peer_id, gone, orderly=True)
             self._fault(link.peer.peer_id, gone)
 
     def _on_ack(self, link: PeerLink, ack: Ack) -> None:
+        due = link.notice_answers.get(ack.transfer_id)
+        if due is not None:
+            if due > 1:
+                link.notice_answers[ack.transfer_id] = due - 1
+            else:
+                del link.notice_answers[ack.transfer_id]
+                link.lane_noticed.discard(ack.transfer_id)
         settled, error, posts = link.outbox.answered(ack.transfer_id, ack.code, ack.reason)
         if settled:
             self._settle(link, ack.transfer_id, error_from_code(*error) if error else None)
+        if link.held:
+            self._release_held(link)  # before the posts the answer released: they came later
         _carry_out(posts)
 
     def _on_write(self, link: PeerLink, req: WriteRequest) -> None:
@@ -926,15 +1024,21 @@ class UcxTransport:
                 return
             if req.placed:  # nothing to drain: no payload follows
                 log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
-                refuse(InvalidBlocks(str(exc)))
+                if req.notice is None:
+                    refuse(InvalidBlocks(str(exc)))
+                else:
+                    self._intend(link, req, refuse, InvalidBlocks(str(exc)))
             else:
                 self._drain(link, req, InvalidBlocks(str(exc)), refuse)
             return
         finish = self._answerer(link, req, blocks * self.regions.block_bytes, valid=True)
         if finish is None:
             return
-        if req.placed:  # the sender already copied the rows into our region; no payload follows
-            finish(None)
+        if req.placed:  # no payload follows: the rows are (or, for an intent, will be) copied
+            if req.notice is None:
+                finish(None)
+            else:
+                self._intend(link, req, finish, None)
             return
         if not self._admit(link, req.seq, messages, 0):
             return
@@ -946,6 +1050,33 @@ class UcxTransport:
             for i, row in enumerate(rows):
                 if not self._expect(link, req.seq + i, [row], parts.done):
                     return
+
+    def _intend(self, link: PeerLink, req: WriteRequest, answer: Completion, refusal: InvalidBlocks | None) -> None:
+        """An intent: the sender copies its rows now; it is answered (``refusal``, or done)
+        on its commit, or fails on the write's abort or the peer's loss."""
+        if len(link.intents) >= MAX_PENDING_PAYLOADS:
+            self._drop(link, ProtocolError(f"over {MAX_PENDING_PAYLOADS} intents awaiting a commit"))
+            return
+        link.intents[req.transfer_id, req.part] = (answer, refusal)
+
+    def _on_commit(self, link: PeerLink, commit: Commit) -> None:
+        """The rows of an intent are copied: answer it (a commit with no intent: dropped)."""
+        intent = link.intents.pop((commit.transfer_id, commit.part), None)
+        if intent is None:
+            error = ProtocolError(f"commit of write {commit.transfer_id} part {commit.part}, which announced no intent")
+            self._drop(link, error)
+            return
+        answer, refusal = intent
+        answer(refusal)
+
+    def _on_abort(self, link: PeerLink, abort: Abort) -> None:
+        """The sender gave a write with a notice up: it fails once the requests seen are in;
+        its intents with no commit (a copy that failed) fail now."""
+        error = error_from_code(abort.code, abort.reason or "the sender gave the write up")
+        self._queue_notices(link.notices.aborted(abort.transfer_id, error))
+        for key in [key for key in link.intents if key[0] == abort.transfer_id]:
+            answer, _refusal = link.intents.pop(key)
+            answer(error)
 
     def _answerer(self, link: PeerLink, req: WriteRequest, nbytes: int, *, valid: bool) -> Completion | None:
         """What answers this write request: its acknowledgement, through the peer's notice
@@ -960,7 +1091,7 @@ class UcxTransport:
                 raise ProtocolError(f"notice of {len(req.notice)} bytes exceeds this side's limit of {limit}")
             link.notices.seen(req.transfer_id, req.part, req.parts, req.runs if valid else [], req.notice)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return None
         return partial(self._answer_noticed, link, req.transfer_id, answer)
 
@@ -1001,7 +1132,7 @@ class UcxTransport:
         try:
             nbytes = validate_message(hdr, self.config.max_message_bytes)
         except ProtocolError as exc:
-            self._fault(link.peer.peer_id, exc)
+            self._drop(link, exc)
             return
         if not self._admit(link, hdr.seq, 1 if nbytes else 0, nbytes):
             return
@@ -1032,8 +1163,8 @@ class UcxTransport:
     ) -> None:
         link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
-        if error is not None or link.drain.leaving:
-            answer(error)  # a leaving peer's messages are not delivered (nor acknowledged)
+        if error is not None or link.drain.leaving or self._links.get(link.peer.peer_id) is not link:
+            answer(error)  # a leaving or removed peer's messages are not delivered (nor acknowledged)
             return
         sink = self.message_sink
         if sink is None:
@@ -1091,6 +1222,13 @@ class UcxTransport:
         await asyncio.gather(*list(self._drains))
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
 
+    def _drop(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Tell the owner to drop the peer of ``link`` (it broke the protocol, or its lane or
+        process is gone), unless the link was removed already: what a removed link still
+        handles (its draining lane, the ring records drained on removal) drops nobody."""
+        if self._links.get(link.peer.peer_id) is link:
+            self._fault(link.peer.peer_id, error)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("transport is closed")
@@ -1118,6 +1256,12 @@ def _write_request(
     if tag is None:
         return WriteRequest(transfer_id, seq, pairs, gathered, placed)
     return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
+
+
+def _follows_ring(header: DataHeader) -> bool:
+    """Whether a header that came over UCX may refer to records the peer put into its ring
+    before it (intents): a commit, an abort, or a write with a notice (write order)."""
+    return isinstance(header, Commit | Abort) or (isinstance(header, WriteRequest) and header.notice is not None)
 
 
 def _nothing() -> None:

@@ -25,6 +25,12 @@
   connects to ADDRESS and writes all its blocks there with 8 writes in flight until killed,
   each with the notice ``b"%d" % n`` (n = 0, 1, ... in write order).
 
+``python -m tests.helpers.peer doomed REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS``
+  fills its region with ``random_rows(seed=23)``, connects to ADDRESS, waits until the peer's
+  same-host ring is up, prints ``{"connected": peer_id, "direct": kind}`` and writes all its
+  blocks there with the notice ``b"doomed"``; fault injection: the same-host copy of that write
+  is the real one, and right after it the process SIGKILLs itself (before it can say more).
+
 ``python -m tests.helpers.peer streams REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
   runs a ConnectorService (the config is its ``agent`` section), prints ``{"address": ...}``,
   waits for one sender, then for each :class:`omni_async.workload.Plan` it announces (0, 1, ...)
@@ -56,6 +62,7 @@ import asyncio
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -117,6 +124,8 @@ async def main(argv: list[str]) -> None:
             await chat(agent, argv[5])
         elif role == "notify":
             await notify(agent, argv[5])
+        elif role == "doomed":
+            await doomed(agent, argv[5])
         elif role == "race":
             await race(agent)
 
@@ -165,6 +174,32 @@ async def notify(agent: Agent, address: str) -> None:
             await agent.write_blocks(peer, blocks, blocks, notice=b"%d" % next(numbers))
 
     await asyncio.gather(*(writer() for _ in range(8)))
+
+
+def random_rows(shape: tuple[int, ...], seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+async def doomed(agent: Agent, address: str) -> None:
+    agent.region.array[:] = random_rows(agent.region.array.shape, 23)
+    peer = await agent.connect(address)
+    link = agent.transport.links[peer]
+    async with asyncio.timeout(10):
+        while link.ring_out is None:  # the intent of a same-host write with a notice goes there
+            await asyncio.sleep(0.005)
+    writers = link.direct
+    assert writers is not None, "no same-host writer to the peer"
+    copy = writers.place
+
+    def copy_then_die(srcs: Any, runs: Any) -> None:
+        copy(srcs, runs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    writers.place = copy_then_die  # type: ignore[method-assign]
+    say({"connected": peer, "direct": writers.kind})
+    await agent.write_blocks(peer, list(range(agent.region.num_blocks)), list(range(agent.region.num_blocks)),
+                             notice=b"doomed")
+    say({"survived": True})  # never: the copy killed this process
 
 
 async def pump(agent: Agent, address: str) -> None:
