@@ -125,6 +125,7 @@ class _Engine:
             self.inflight.clear()
             self.settled.clear()
             self.peers.clear()
+            self.sizes.clear()
             self.live.clear()
 
     # -- draining (caller's thread, lock held) -----------------------------------------------
@@ -393,6 +394,8 @@ class SyncDataTransport(Facade):
             engine.peers[peer_id] = card.peer_id
             engine.sizes[card.peer_id] = num_blocks  # the join checked it is the peer's
             orphan = previous not in (None, card.peer_id, *engine.peers.values())
+            if orphan and previous is not None:
+                engine.sizes.pop(previous, None)
         if orphan:
             assert previous is not None and engine.agent is not None
             self._portal.run(engine.agent.remove_peer(previous), timeout, f"removing the old {peer_id!r}")
@@ -406,6 +409,7 @@ class SyncDataTransport(Facade):
             core_id = engine.peers.pop(peer_id, None)
             if core_id is None or core_id in engine.peers.values():
                 return
+            engine.sizes.pop(core_id, None)
         assert engine.agent is not None
         self._portal.run(engine.agent.remove_peer(core_id), self._wait_budget, f"removing {peer_id!r}")
 
