@@ -34,6 +34,8 @@ from omni_async import (
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    TransferFailed,
+    UnknownPeer,
 )
 from omni_async.auth import generate_keypair
 from omni_async.compat import PollResult, SyncDataTransport, decode_agent_metadata
@@ -545,6 +547,29 @@ def test_write_blocks_does_not_wait_for_the_loop(make_transport):
         release.set()
     assert poll_until(a, {tid}).done == [tid]
     assert np.array_equal(mem_b[9:11], mem_a[5:7])
+
+
+def test_a_write_the_agent_refuses_on_the_loop_is_reported_failed(make_transport):
+    """The caller's checks passed but the agent refuses the write once the loop posts it (the
+    peer left in between; a UCX error posting it): ``poll`` reports it failed, with the reason."""
+    a = make_transport(block_memory(), "refuse-a")
+    b = make_transport(block_memory(), "refuse-b")
+    a.add_remote_peer("B", *peer_args(b))
+    agent, post = a.agent, a.agent.write_blocks
+    errors = [UnknownPeer("peer 'refuse-b' left meanwhile"), OSError("UCX could not post")]
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:  # fault injection around the real agent
+        if errors:
+            raise errors.pop(0)
+        return post(*args, **kwargs)
+
+    agent.write_blocks = refusing  # type: ignore[method-assign]
+    left, broken, fine = (a.write_blocks("B", [i], [i]) for i in range(3))
+    assert None not in (left, broken, fine)
+    seen = poll_until(a, {left, broken, fine})
+    assert set(seen.failed) == {left, broken} and seen.done == [fine]
+    assert isinstance(a.failure_reason(left), UnknownPeer)
+    assert isinstance(a.failure_reason(broken), TransferFailed)
 
 
 def test_polling_with_nothing_in_flight_never_waits(make_transport):
