@@ -204,7 +204,13 @@ class TransferAdapter:
         state.next_index += 1
         result: asyncio.Future[Chunk] = self._loop.create_future()
         state.waiters.append(result)
-        payload = self.connector.wait_for(self._key(request_id, index), source=self.source)
+        key = self._key(request_id, index)
+        buffered = self.connector.take_nowait(key, source=self.source)
+        if buffered is not None:  # here already: resolved now, no future and no loop hop between
+            self._rearm(request_id, result)
+            self._loaded(request_id, index, result, None, buffered)
+            return result
+        payload = self.connector.wait_for(key, source=self.source)
         payload.add_done_callback(partial(self._arrived, request_id, index, result))
         result.add_done_callback(partial(self._load_cancelled, request_id, index, payload))
         if not payload.done() and state.timer is None:
@@ -226,20 +232,34 @@ class TransferAdapter:
     def _arrived(
         self, request_id: str, index: int, result: asyncio.Future[Chunk], payload: asyncio.Future[dict[str, Any]]
     ) -> None:
+        self._rearm(request_id, result)
+        if payload.cancelled():
+            result.cancel()
+            return
+        error = payload.exception()  # retrieved even when the result was settled already
+        self._loaded(request_id, index, result, error, payload.result() if error is None else None)
+
+    def _rearm(self, request_id: str, result: asyncio.Future[Chunk]) -> None:
+        """A chunk came for ``result``: restart the request's stall clock if other loads wait."""
         state = self._incoming.get(request_id)
         if state is not None and state.timer is not None:
             state.timer.cancel()
             state.timer = None
             if any(not w.done() and w is not result for w in state.waiters):
                 state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
-        if payload.cancelled():
-            result.cancel()
-            return
-        error = payload.exception()  # retrieved even when the result was settled already
+
+    def _loaded(
+        self, request_id: str, index: int, result: asyncio.Future[Chunk], error: BaseException | None,
+        envelope: dict[str, Any] | None,
+    ) -> None:
+        """Settle load ``result`` with the chunk in ``envelope``, or with ``error`` (the request
+        is then cleaned up); a load settled already (cancelled) is left alone."""
         if result.done():
             return
+        state = self._incoming.get(request_id)
         if error is None:
-            error, chunk = self._unwrap(request_id, index, payload.result())
+            assert envelope is not None
+            error, chunk = self._unwrap(request_id, index, envelope)
         if error is not None:
             _fail_load(result, error)
             self.cleanup(request_id)

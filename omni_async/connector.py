@@ -81,6 +81,12 @@ class Connector(ABC):
         Cancelling the future withdraws the wait.
         """
 
+    def take_nowait(self, key: str, *, source: str | None = None) -> dict[str, Any] | None:
+        """The payload buffered under ``key`` (from ``source``, if given), taken now; None if
+        none is (then :meth:`wait_for` delivers it).  Spares a future and a loop hop per
+        payload that arrived before anyone asked; this default never has one at hand."""
+        return None
+
     async def get(self, key: str, *, timeout: float | None = None, source: str | None = None) -> dict[str, Any]:
         """Wait for the payload stored under ``key``; :class:`DeadlineExceeded` after ``timeout``."""
         future = self.wait_for(key, source=source)
@@ -233,6 +239,14 @@ class UcxConnector(Connector):
         self._waiters[key] = (future, source)
         future.add_done_callback(lambda _f: self._withdraw(key, future))
         return future
+
+    def take_nowait(self, key: str, *, source: str | None = None) -> dict[str, Any] | None:
+        """See :meth:`Connector.take_nowait`; ``source`` acts as in :meth:`wait_for` (other
+        peers' payloads for ``key`` are refused).  None once closed."""
+        if self._closed:
+            return None
+        stored = self._take(key, source)
+        return None if stored is None else stored.payload
 
     def _withdraw(self, key: str, future: asyncio.Future[dict[str, Any]]) -> None:
         entry = self._waiters.get(key)

@@ -1,15 +1,17 @@
-"""Metrics: Prometheus counters and histograms, plus a plain snapshot for code (``stats()``).
+"""Metrics: Prometheus series of every agent, plus a plain snapshot for code (``stats()``).
 
-One :class:`Metrics` per agent, labelled with its peer id.  The Prometheus series live in the
-process's default registry (so one ``/metrics`` endpoint serves every agent of the process);
-:func:`serve_metrics` starts that endpoint.  Updating costs a few dict and counter operations
-per transfer, never per block.
+One :class:`Metrics` per agent, labelled with its peer id.  Nothing is written to Prometheus
+while transfers run: every figure is a plain int or float on a small record bumped on the
+agent's event loop (a transfer costs a few attribute and dict increments and, for latency, a
+``bisect`` into the bucket list), and one custom collector turns the records into families
+when ``/metrics`` is scraped (in prometheus_client's thread: it only reads numbers and takes
+atomic copies of dicts).  The process's default registry serves every agent of the process;
+:func:`serve_metrics` starts that endpoint.
 
-Per-peer figures (bytes, transfers, in flight) are plain integers on a :class:`PeerMeter`,
-bumped on the event loop and read by one collector when ``/metrics`` is scraped (from
-prometheus_client's thread: it only reads ints and takes atomic copies of dicts).  Heartbeat
-ages and chunk streams are asked of the agent's probes at scrape time, so they cost nothing in
-between.  docs/observability.md explains every series.
+Agent-wide series are summed over every agent of one name, and stay after the agent closed
+(its ``omni_async_peers`` drops to 0), as labelled Prometheus children did.  Per-peer figures
+live on a :class:`PeerMeter` while the peer is joined.  Heartbeat ages and chunk streams are
+asked of the agent's probes at scrape time.  docs/observability.md explains every series.
 """
 
 from __future__ import annotations
@@ -17,28 +19,25 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Literal
+from bisect import bisect_left
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, Literal, TypeVar
 
-from prometheus_client import REGISTRY, Gauge, Histogram, start_http_server
-from prometheus_client import Counter as PromCounter
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 Kind = Literal["blocks", "messages"]
-
-_BYTES = PromCounter("omni_async_bytes", "Payload bytes moved", ["agent", "direction", "kind"])
-_TRANSFERS = PromCounter("omni_async_transfers", "Transfers settled, by outcome", ["agent", "kind", "outcome"])
-_RECEIVED = PromCounter("omni_async_received", "Incoming transfers answered, by outcome", ["agent", "kind", "outcome"])
-_LATENCY = Histogram(
-    "omni_async_transfer_seconds",
-    "From submission to the receiver's acknowledgement",
-    ["agent", "kind"],
-    buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 0.5, 2.5),
-)
-_PEERS = Gauge("omni_async_peers", "Joined peers", ["agent"])
-_PEER_EVENTS = PromCounter("omni_async_peer_events", "Peers joined and left, by reason", ["agent", "event", "reason"])
-
+KINDS: tuple[Kind, ...] = ("blocks", "messages")
+BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 0.1, 0.5, 2.5)
+"""Upper bounds (seconds) of ``omni_async_transfer_seconds``; ``+Inf`` follows."""
+_LE = [*(floatToGoString(bound) for bound in BUCKETS), "+Inf"]  # type: ignore[no-untyped-call]
 
 LaneKind = Literal["same-host", "ucx"]
 """``same-host``: a peer on this host over shared memory; ``ucx``: any other UCX lane (tcp)."""
@@ -46,6 +45,94 @@ HeartbeatProbe = Callable[[str], float | None]
 """``probe(peer_id)``: ``time.monotonic()`` when the peer was last heard from (None: unknown)."""
 StreamProbe = Callable[[], list[tuple[str, int, int]]]
 """``probe()``: ``(stage, active streams, stall deadlines fired so far)`` of each adapter."""
+
+K = TypeVar("K", bound=Hashable)
+
+
+class _Tally(Generic[K]):
+    """Counts by key (an outcome, or an event and reason), with when each key was first seen
+    (the series' ``_created``) and, for transfers, the bytes of those that settled ok."""
+
+    __slots__ = ("bytes", "counts", "created", "first_seen")
+
+    def __init__(self) -> None:
+        self.created = time.time()
+        self.bytes = 0
+        self.counts: dict[K, int] = {}
+        self.first_seen: dict[K, float] = {}
+
+    def count(self, key: K) -> None:
+        counts = self.counts
+        n = counts.get(key)
+        if n is None:
+            self.first_seen[key] = time.time()
+            n = 0
+        counts[key] = n + 1
+
+    def absorb(self, other: _Tally[K]) -> None:
+        """Add ``other``'s figures to these (earliest creation times win)."""
+        self.created = min(self.created, other.created)
+        self.bytes += other.bytes
+        for key, n in list(other.counts.items()):
+            self.counts[key] = self.counts.get(key, 0) + n
+        for key, seen in list(other.first_seen.items()):
+            self.first_seen[key] = min(seen, self.first_seen.get(key, seen))
+
+
+class _Histogram:
+    """Latencies in :data:`BUCKETS`: a count per bucket (not cumulative) and their sum."""
+
+    __slots__ = ("buckets", "created", "total")
+
+    def __init__(self) -> None:
+        self.created = time.time()
+        self.buckets = [0] * (len(BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.buckets[bisect_left(BUCKETS, seconds)] += 1  # a bound is inclusive (le)
+        self.total += seconds
+
+    def absorb(self, other: _Histogram) -> None:
+        self.created = min(self.created, other.created)
+        self.buckets = [a + b for a, b in zip(self.buckets, list(other.buckets), strict=True)]
+        self.total += other.total
+
+
+class _Tallies:
+    """Everything one agent counted for the agent-wide series, as plain numbers."""
+
+    __slots__ = ("events", "latency", "received", "sent")
+
+    def __init__(self) -> None:
+        self.sent: dict[str, _Tally[str]] = {kind: _Tally() for kind in KINDS}
+        self.received: dict[str, _Tally[str]] = {kind: _Tally() for kind in KINDS}
+        self.latency = {kind: _Histogram() for kind in KINDS}
+        self.events: _Tally[tuple[str, str]] = _Tally()
+
+    def absorb(self, other: _Tallies) -> None:
+        for kind in KINDS:
+            self.sent[kind].absorb(other.sent[kind])
+            self.received[kind].absorb(other.received[kind])
+            self.latency[kind].absorb(other.latency[kind])
+        self.events.absorb(other.events)
+
+
+class _Name:
+    """The agent-wide series of one agent name: the tallies of its live agents, those of its
+    closed ones merged into one, and the ``omni_async_peers`` gauge (last value set wins)."""
+
+    def __init__(self) -> None:
+        self.live: list[_Tallies] = []
+        self.retired = _Tallies()
+        self.peers = 0
+
+    def total(self) -> _Tallies:
+        total = _Tallies()
+        total.absorb(self.retired)
+        for tallies in list(self.live):
+            total.absorb(tallies)
+        return total
 
 
 class PeerMeter:
@@ -69,26 +156,25 @@ class PeerMeter:
 
 
 class Metrics:
-    """Counters of one agent, mirrored into Prometheus.
+    """Counters of one agent, exported to Prometheus at scrape time.
 
-    The owner sets :attr:`heartbeat` (and a service sets :attr:`streams`) so that a scrape can
-    report heartbeat ages and chunk streams; :meth:`close` takes the agent off ``/metrics``.
+    Every method runs on the agent's event loop.  The owner sets :attr:`heartbeat` (and a
+    service sets :attr:`streams`) so that a scrape can report heartbeat ages and chunk
+    streams; :meth:`close` takes the agent's per-peer series off ``/metrics``.
     """
 
     def __init__(self, agent: str) -> None:
         self.agent = agent
-        self._counts: Counter[str] = Counter()
-        self._bytes_sent = {kind: _BYTES.labels(agent, "sent", kind) for kind in ("blocks", "messages")}
-        self._bytes_received = {kind: _BYTES.labels(agent, "received", kind) for kind in ("blocks", "messages")}
-        self._latency = {kind: _LATENCY.labels(agent, kind) for kind in ("blocks", "messages")}
-        self._peers = _PEERS.labels(agent)
-        self._outcomes: dict[tuple[PromCounter, str, str], PromCounter] = {}
+        self._tallies = _Tallies()
+        self._sent = self._tallies.sent
+        self._received = self._tallies.received
+        self._latency = self._tallies.latency
         self._meters: dict[str, PeerMeter] = {}
         self.heartbeat: HeartbeatProbe | None = None
         self.heartbeat_timeout = 0.0
         """Seconds of silence after which a peer is dropped; past half of it, it shows as ``late``."""
         self.streams: StreamProbe | None = None
-        _COLLECTOR.add(self)
+        self._name = _COLLECTOR.add(self, self._tallies)
 
     def started(self, peer: str) -> None:
         """A transfer to ``peer`` was submitted; exactly one :meth:`settled` follows."""
@@ -98,14 +184,13 @@ class Metrics:
 
     def settled(self, kind: Kind, nbytes: int, outcome: str, seconds: float, peer: str) -> None:
         """A transfer this side sent to ``peer`` settled; ``outcome`` is ``"ok"`` or an error code."""
-        self._counts[f"{kind}.{outcome}"] += 1
-        self._child(_TRANSFERS, kind, outcome).inc()
+        sent = self._sent[kind]
+        sent.count(outcome)
         meter = self._meters.get(peer)
         if meter is not None:
             meter.settled += 1
         if outcome == "ok":
-            self._counts[f"{kind}.bytes_sent"] += nbytes
-            self._bytes_sent[kind].inc(nbytes)
+            sent.bytes += nbytes
             self._latency[kind].observe(seconds)
             if meter is not None:
                 meter.sent += 1
@@ -113,43 +198,46 @@ class Metrics:
 
     def answered(self, kind: Kind, nbytes: int, outcome: str, peer: str) -> None:
         """An incoming transfer from ``peer`` was acknowledged (``"ok"``) or refused (an error code)."""
-        self._counts[f"received.{kind}.{outcome}"] += 1
-        self._child(_RECEIVED, kind, outcome).inc()
+        received = self._received[kind]
+        received.count(outcome)
         if outcome == "ok":
-            self._counts[f"{kind}.bytes_received"] += nbytes
-            self._bytes_received[kind].inc(nbytes)
+            received.bytes += nbytes
             meter = self._meters.get(peer)
             if meter is not None:
                 meter.received += 1
                 meter.received_bytes += nbytes
 
-    def _child(self, family: PromCounter, kind: str, outcome: str) -> PromCounter:
-        """The labelled series, looked up once (``labels()`` costs microseconds per call)."""
-        key = (family, kind, outcome)
-        child = self._outcomes.get(key)
-        if child is None:
-            child = self._outcomes[key] = family.labels(self.agent, kind, outcome)
-        return child
-
     def peer_event(self, event: str, peer_id: str, reason: str, peers: int, lane: LaneKind = "ucx") -> None:
         """``peer_id`` joined (over a ``lane`` of that kind) or left (``reason``: an error code)."""
-        self._counts[f"peers.{event}"] += 1
-        _PEER_EVENTS.labels(self.agent, event, reason).inc()
-        self._peers.set(peers)
+        self._tallies.events.count((event, reason))
+        self._name.peers = peers
         if event == "joined":
             self._meters[peer_id] = PeerMeter(lane)
         else:
             self._meters.pop(peer_id, None)
 
     def snapshot(self) -> dict[str, int]:
-        """Plain counters, e.g. ``{"blocks.ok": 3, "blocks.bytes_sent": 196608, ...}``."""
-        return dict(self._counts)
+        """Plain counters of this agent, e.g. ``{"blocks.ok": 3, "blocks.bytes_sent": 196608, ...}``:
+        ``{kind}.{outcome}``, ``received.{kind}.{outcome}``, ``{kind}.bytes_sent`` and
+        ``{kind}.bytes_received`` (once one settled ok), ``peers.{event}``."""
+        out: dict[str, int] = {}
+        for kind in KINDS:
+            sent, received = self._sent[kind], self._received[kind]
+            out.update((f"{kind}.{outcome}", n) for outcome, n in sent.counts.items())
+            if "ok" in sent.counts:
+                out[f"{kind}.bytes_sent"] = sent.bytes
+            out.update((f"received.{kind}.{outcome}", n) for outcome, n in received.counts.items())
+            if "ok" in received.counts:
+                out[f"{kind}.bytes_received"] = received.bytes
+        for (event, _reason), n in self._tallies.events.counts.items():
+            out[f"peers.{event}"] = out.get(f"peers.{event}", 0) + n
+        return out
 
     def close(self) -> None:
-        """Forget the peers and leave ``/metrics`` (the agent closed).  Idempotent."""
+        """Forget the peers and leave ``/metrics``' per-peer series; the agent-wide ones stay,
+        with ``omni_async_peers`` at 0 (the agent closed).  Idempotent."""
         self._meters.clear()
-        self._peers.set(0)
-        _COLLECTOR.discard(self)
+        _COLLECTOR.discard(self, self._tallies)
 
     def collect(self, out: _Families) -> None:
         """Add this agent's per-peer and per-stream series to ``out`` (runs in the scrape thread)."""
@@ -178,9 +266,22 @@ class Metrics:
 
 
 class _Families:
-    """The families one scrape fills, one series per agent and peer (or stage)."""
+    """The families one scrape fills: the agent-wide ones (one series per agent name, kind,
+    outcome...), then one series per agent and peer (or stage)."""
 
     def __init__(self) -> None:
+        self.bytes = CounterMetricFamily("omni_async_bytes", "Payload bytes moved",
+                                         labels=["agent", "direction", "kind"])
+        self.transfers = CounterMetricFamily("omni_async_transfers", "Transfers settled, by outcome",
+                                             labels=["agent", "kind", "outcome"])
+        self.received = CounterMetricFamily("omni_async_received", "Incoming transfers answered, by outcome",
+                                            labels=["agent", "kind", "outcome"])
+        self.latency = HistogramMetricFamily("omni_async_transfer_seconds",
+                                             "From submission to the receiver's acknowledgement",
+                                             labels=["agent", "kind"])
+        self.peers = GaugeMetricFamily("omni_async_peers", "Joined peers", labels=["agent"])
+        self.peer_events = CounterMetricFamily("omni_async_peer_events", "Peers joined and left, by reason",
+                                               labels=["agent", "event", "reason"])
         peer = ["agent", "peer"]
         self.info = GaugeMetricFamily(
             "omni_async_peer_info", "1 per joined peer; lane: same-host or ucx; state: joined or late "
@@ -200,29 +301,67 @@ class _Families:
         self.streams_stalled = CounterMetricFamily(
             "omni_async_streams_stalled", "Chunk streams failed by their stall deadline", labels=["agent", "stage"])
 
+    def add_agent(self, agent: str, peers: int, tallies: _Tallies) -> None:
+        """The agent-wide series of the agents named ``agent``."""
+        for direction, by_kind in (("sent", tallies.sent), ("received", tallies.received)):
+            for kind in KINDS:
+                tally = by_kind[kind]
+                self.bytes.add_metric([agent, direction, kind], tally.bytes, created=tally.created)
+        for family, by_kind in ((self.transfers, tallies.sent), (self.received, tallies.received)):
+            for kind in KINDS:
+                tally = by_kind[kind]
+                for outcome, n in tally.counts.items():
+                    family.add_metric([agent, kind, outcome], n, created=tally.first_seen[outcome])
+        for kind in KINDS:
+            histogram = tallies.latency[kind]
+            cumulative, buckets = 0, []
+            for le, n in zip(_LE, histogram.buckets, strict=True):
+                cumulative += n
+                buckets.append((le, float(cumulative)))
+            self.latency.add_metric([agent, kind], buckets, histogram.total)
+            self.latency.samples.append(Sample(  # what a Histogram child exports, and this family cannot add
+                "omni_async_transfer_seconds_created", {"agent": agent, "kind": kind}, histogram.created))
+        self.peers.add_metric([agent], peers)
+        for (event, reason), n in tallies.events.counts.items():
+            self.peer_events.add_metric([agent, event, reason], n, created=tallies.events.first_seen[(event, reason)])
+
     def __iter__(self) -> Iterator[Metric]:
         return iter(vars(self).values())
 
 
 class _Collector:
-    """The custom collector that reads every live :class:`Metrics` at scrape time."""
+    """The custom collector that reads every agent's records at scrape time."""
 
     def __init__(self) -> None:
         self._live: weakref.WeakSet[Metrics] = weakref.WeakSet()
+        self._names: dict[str, _Name] = {}
         self._lock = threading.Lock()
 
-    def add(self, metrics: Metrics) -> None:
+    def add(self, metrics: Metrics, tallies: _Tallies) -> _Name:
+        """Export ``metrics`` (per peer) and ``tallies`` (summed into its name's series)."""
         with self._lock:
             self._live.add(metrics)
+            name = self._names.setdefault(metrics.agent, _Name())
+            name.live.append(tallies)
+            return name
 
-    def discard(self, metrics: Metrics) -> None:
+    def discard(self, metrics: Metrics, tallies: _Tallies) -> None:
+        """``metrics``' agent closed: drop its per-peer series, keep its counts under its name."""
         with self._lock:
             self._live.discard(metrics)
+            name = self._names[metrics.agent]
+            name.peers = 0
+            if any(live is tallies for live in name.live):
+                name.live.remove(tallies)
+                name.retired.absorb(tallies)
 
     def collect(self) -> Iterator[Metric]:
         families = _Families()
         with self._lock:
             live = list(self._live)
+            names = [(agent, name.peers, name.total()) for agent, name in self._names.items()]
+        for agent, peers, tallies in names:
+            families.add_agent(agent, peers, tallies)
         for metrics in live:
             metrics.collect(families)
         return iter(families)

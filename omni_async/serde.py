@@ -38,6 +38,8 @@ ALLOWED_DTYPES: Final = frozenset(
     )
 )
 _DTYPES: Final = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+_WIRE: Final = {dtype: name for name, dtype in _DTYPES.items()}
+"""An allowed dtype → its wire name (a dict lookup costs less than building ``dtype.str``)."""
 
 _ArraySpec = tuple[str, list[int]]  # dtype.str, shape
 _encoder = msgspec.msgpack.Encoder()
@@ -101,18 +103,20 @@ def _encode_value(value: Any, frames: list[Any], specs: list[_ArraySpec], depth:
 
 
 def _encode_mapping(value: Mapping[Any, Any], frames: list[Any], specs: list[_ArraySpec], depth: int) -> Any:
+    if depth >= MAX_DEPTH and value:  # what _encode_value says of any child (scalars are inlined)
+        raise ValueError(f"payload nesting exceeds {MAX_DEPTH} levels")
     out = {}
     for key, item in value.items():
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"payload keys must be str, got {type(key).__name__}")
-        out[key] = _encode_value(item, frames, specs, depth + 1)
+        out[key] = item if type(item) in _SCALARS else _encode_value(item, frames, specs, depth + 1)
     return out
 
 
 def _encode_array(array: npt.NDArray[Any], frames: list[Any], specs: list[_ArraySpec]) -> Any:
     shape = list(array.shape)  # before ascontiguousarray, which turns 0-d arrays into 1-d
-    wire = array.dtype.str
-    if wire not in ALLOWED_DTYPES or not array.flags.c_contiguous:  # else already as it travels
+    wire = _WIRE.get(array.dtype)
+    if wire is None or not array.flags.c_contiguous:  # else already as it travels
         wire_dtype = array.dtype.newbyteorder("<")
         wire = wire_dtype.str
         if wire not in ALLOWED_DTYPES:
@@ -149,8 +153,8 @@ def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, 
     values = [_decode_frame(spec, frame) for spec, frame in zip(decoded.arrays, frames, strict=True)]
     if not isinstance(decoded.tree, dict):
         raise ProtocolError("a payload must be a mapping at the top")
-    budget = [MAX_NODES]
-    result = _resolve(decoded.tree, values, 0, budget)
+    budget = [MAX_NODES - 1]  # the top mapping is one node
+    result = _resolve_children(decoded.tree, values, 0, budget)
     assert isinstance(result, dict)
     return result
 
@@ -191,20 +195,16 @@ def _decode_frame(spec: tuple[str, list[int]], frame: npt.NDArray[np.uint8]) -> 
             f"its frame has {frame.nbytes}"
         )
     try:
-        return frame.view(dtype).reshape(shape)
+        return np.ndarray(shape, dtype, frame)  # a view of the frame (cheaper than view+reshape)
     except ValueError as exc:  # e.g. a zero-length shape whose other dimensions overflow numpy
         raise ProtocolError(f"invalid array shape {shape!r}: {exc}") from None
 
 
 def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any:
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise ProtocolError(f"payload has more than {MAX_NODES} values")
+    """One node that is not a scalar (the caller counted it in ``budget``)."""
     if depth > MAX_DEPTH:
         raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
     kind = type(node)  # the decoder makes exact types only: no isinstance needed
-    if kind in _SCALARS:
-        return node
     if kind is _Ref:
         if node.index >= len(values):
             raise ProtocolError(f"payload refers to frame {node.index} of {len(values)}")
@@ -212,13 +212,24 @@ def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any
         if (node.kind == _EXT_BYTES) != (type(value) is bytes):
             raise ProtocolError(f"frame {node.index} is referred to as the wrong kind")
         return value
-    if kind is list:
-        return [_resolve(item, values, depth + 1, budget) for item in node]
-    if kind is dict:
-        out = {}
-        for key, item in node.items():
-            if type(key) is not str:
-                raise ProtocolError(f"payload keys must be str, got {type(key).__name__}")
-            out[key] = _resolve(item, values, depth + 1, budget)
-        return out
+    if kind is list or kind is dict:
+        return _resolve_children(node, values, depth, budget)
     raise ProtocolError(f"unexpected {type(node).__name__} in a payload")
+
+
+def _resolve_children(node: list[Any] | dict[Any, Any], values: list[Any], depth: int, budget: list[int]) -> Any:
+    """A list or mapping at ``depth``: its children counted in ``budget`` at once, scalars
+    taken as they are, the rest resolved one level deeper."""
+    budget[0] -= len(node)
+    if budget[0] < 0:
+        raise ProtocolError(f"payload has more than {MAX_NODES} values")
+    if node and depth >= MAX_DEPTH:
+        raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
+    if isinstance(node, list):  # exact types only (see _resolve)
+        return [item if type(item) in _SCALARS else _resolve(item, values, depth + 1, budget) for item in node]
+    out = {}
+    for key, item in node.items():
+        if type(key) is not str:
+            raise ProtocolError(f"payload keys must be str, got {type(key).__name__}")
+        out[key] = item if type(item) in _SCALARS else _resolve(item, values, depth + 1, budget)
+    return out

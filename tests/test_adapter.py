@@ -58,6 +58,24 @@ async def test_final_chunk_ends_the_stream(make_service):
     assert receiver.active_requests == 0
 
 
+async def test_a_buffered_chunk_loads_without_a_loop_hop(make_service):
+    """A chunk that arrived before its load is handed over by the load itself: the future
+    ``load_async`` returns is done already (no connector future, no callback round)."""
+    _, rx, sender, receiver = await linked(make_service)
+    await sender.save("r", chunk(1, 0))
+    await sender.save("r", chunk(1, 1), final=True)
+    assert rx.connector.buffered[0] == 2
+    first = receiver.load_async("r")
+    assert first.done() and first.result().index == 0 and first.result().data["codes"] == [1, 0]
+    second = receiver.load_async("r")
+    assert second.done() and second.result().final and (second.result().data["hidden"] == 1001).all()
+    assert receiver.active_requests == 0 and rx.connector.buffered == (0, 0) and rx.connector.waiting == 0
+    later = receiver.load_async("s")  # nothing buffered: it waits as before
+    assert not later.done()
+    await sender.save("s", chunk(2, 0), final=True)
+    assert (await asyncio.wait_for(later, 5)).data["tag"] == "r2"
+
+
 async def test_failures_land_on_the_right_futures(make_service):
     tx, rx, sender, receiver = await linked(make_service)
     good = sender.save_async("a", {"x": 1}, final=True)

@@ -29,10 +29,13 @@ from omni_async import (
     FingerprintMismatch,
     HandshakeRejected,
     HandshakeTimeout,
+    InvalidBlocks,
     LayoutMismatch,
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    TransferFailed,
+    UnknownPeer,
 )
 from omni_async.auth import generate_keypair
 from omni_async.compat import PollResult, SyncDataTransport, decode_agent_metadata
@@ -521,6 +524,52 @@ def test_a_caller_that_polls_without_sleeping_does_not_starve_the_loop(make_tran
     assert elapsed < 1.0, f"20 writes took {elapsed:.2f}s"
     assert np.array_equal(b_mem[NUM_BLOCKS - 20:][::-1], mem_a[:20])
 
+
+
+def test_write_blocks_does_not_wait_for_the_loop(make_transport):
+    """``write_blocks`` checks and numbers the write in the caller's thread and hands it to the
+    loop without a round trip: with the loop thread held up, it still returns an id at once
+    (and refuses bad indices at once); the write completes once the loop runs again."""
+    mem_a, mem_b = block_memory(seed=23), block_memory()
+    a = make_transport(mem_a, "nowait-a")
+    b = make_transport(mem_b, "nowait-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done  # the lane is up
+    release = threading.Event()
+    a.loop.call_soon_threadsafe(release.wait, DEADLINE_S)  # the loop thread is busy until released
+    try:
+        tid, elapsed = timed(a.write_blocks, "B", [5, 6], [9, 10])
+        refused, refused_in = timed(a.write_blocks, "B", [0], [NUM_BLOCKS])
+        assert isinstance(tid, int) and elapsed < 0.5, f"write_blocks waited {elapsed:.2f}s for the loop"
+        assert refused is None and isinstance(a.last_error, InvalidBlocks) and refused_in < 0.5
+        assert a.poll() == PollResult([], [])  # nothing settles while the loop is held up
+    finally:
+        release.set()
+    assert poll_until(a, {tid}).done == [tid]
+    assert np.array_equal(mem_b[9:11], mem_a[5:7])
+
+
+def test_a_write_the_agent_refuses_on_the_loop_is_reported_failed(make_transport):
+    """The caller's checks passed but the agent refuses the write once the loop posts it (the
+    peer left in between; a UCX error posting it): ``poll`` reports it failed, with the reason."""
+    a = make_transport(block_memory(), "refuse-a")
+    b = make_transport(block_memory(), "refuse-b")
+    a.add_remote_peer("B", *peer_args(b))
+    agent, post = a.agent, a.agent.write_blocks
+    errors = [UnknownPeer("peer 'refuse-b' left meanwhile"), OSError("UCX could not post")]
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:  # fault injection around the real agent
+        if errors:
+            raise errors.pop(0)
+        return post(*args, **kwargs)
+
+    agent.write_blocks = refusing  # type: ignore[method-assign]
+    left, broken, fine = (a.write_blocks("B", [i], [i]) for i in range(3))
+    assert None not in (left, broken, fine)
+    seen = poll_until(a, {left, broken, fine})
+    assert set(seen.failed) == {left, broken} and seen.done == [fine]
+    assert isinstance(a.failure_reason(left), UnknownPeer)
+    assert isinstance(a.failure_reason(broken), TransferFailed)
 
 
 def test_polling_with_nothing_in_flight_never_waits(make_transport):

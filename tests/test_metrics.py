@@ -1,12 +1,16 @@
 """Metrics: stats() snapshot and the Prometheus series, including the /metrics endpoint."""
 
 import asyncio
+import cProfile
+import pstats
 import socket
 import urllib.request
 
 import pytest
+from prometheus_client import REGISTRY, generate_latest
 
 from omni_async import InvalidBlocks
+from omni_async.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,3 +43,60 @@ async def test_stats_and_prometheus(make_agent):
     assert 'omni_async_transfers_total{agent="ma",kind="blocks",outcome="ok"} 1.0' in body
     assert 'omni_async_bytes_total{agent="mb",direction="received",kind="blocks"} 12288.0' in body
     assert 'omni_async_peers{agent="ma"} 1.0' in body
+
+
+async def test_transfers_run_no_prometheus_code(make_agent):
+    """Metrics are plain numbers while transfers run: prometheus_client only runs at scrape time."""
+    a = await make_agent(peer_id="mc")
+    b = await make_agent(peer_id="md", claimed_blocks=1000)  # so that a refusal settles through the peer
+    await a.connect(b.control_address)
+    await asyncio.wait_for(b.wait_for_peer("mc"), 5)
+    b.set_message_sink(lambda *args: None)
+    await asyncio.wait_for(a.write_blocks("md", [0], [1]), 5)  # lanes wired before profiling
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        async with asyncio.timeout(10):
+            for _ in range(20):
+                await a.write_blocks("md", [0, 1], [2, 3])
+                await a.send_message("md", "k", b"", [b"x" * 100])
+            with pytest.raises(InvalidBlocks):
+                await a.write_blocks("md", [0], [999])
+    finally:
+        profiler.disable()
+    ran = {path for path, _line, _name in pstats.Stats(profiler).stats}  # type: ignore[attr-defined]
+    assert not [path for path in ran if "prometheus_client" in path]
+    assert a.stats()["blocks.ok"] == 21 and a.stats()["blocks.invalid_blocks"] == 1
+    assert a.stats()["messages.ok"] == 20 and b.stats()["received.blocks.ok"] == 21
+    assert b.stats()["received.blocks.invalid_blocks"] == 1
+
+
+def test_export_sums_agents_of_one_name_and_keeps_closed_ones():
+    """The scrape-time export: cumulative buckets (le inclusive), sum, agents of one name summed,
+    a closed agent's counts kept with omni_async_peers at 0 (as labelled children were)."""
+    first, second = Metrics("mx-export"), Metrics("mx-export")
+    first.peer_event("joined", "p", "", 1)
+    first.settled("blocks", 10, "ok", 50e-6, "p")  # exactly on a bound: counted in le="5e-05"
+    first.settled("blocks", 0, "peer_lost", 1.0, "p")
+    second.settled("blocks", 20, "ok", 3.0, "q")  # past the last bound: only in +Inf
+    second.answered("messages", 7, "ok", "q")
+    second.close()
+    body = generate_latest(REGISTRY).decode()
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in body.splitlines() if 'agent="mx-export"' in line}
+    bucket = 'omni_async_transfer_seconds_bucket{{agent="mx-export",kind="blocks",le="{}"}}'
+    assert series[bucket.format("2.5e-05")] == 0 and series[bucket.format("5e-05")] == 1
+    assert series[bucket.format("2.5")] == 1 and series[bucket.format("+Inf")] == 2
+    assert series['omni_async_transfer_seconds_sum{agent="mx-export",kind="blocks"}'] == pytest.approx(3.00005)
+    assert series['omni_async_transfers_total{agent="mx-export",kind="blocks",outcome="ok"}'] == 2
+    assert series['omni_async_transfers_total{agent="mx-export",kind="blocks",outcome="peer_lost"}'] == 1
+    assert series['omni_async_bytes_total{agent="mx-export",direction="sent",kind="blocks"}'] == 30
+    assert series['omni_async_bytes_total{agent="mx-export",direction="received",kind="messages"}'] == 7
+    assert series['omni_async_peer_events_total{agent="mx-export",event="joined",reason=""}'] == 1
+    assert 'omni_async_transfers_created{agent="mx-export",kind="blocks",outcome="ok"}' in series
+    assert series['omni_async_peers{agent="mx-export"}'] == 0  # the last agent to set it closed
+    assert first.snapshot() == {"blocks.ok": 1, "blocks.bytes_sent": 10, "blocks.peer_lost": 1, "peers.joined": 1}
+    first.close()
+    first.close()  # idempotent
+    again = generate_latest(REGISTRY).decode()
+    assert 'omni_async_bytes_total{agent="mx-export",direction="sent",kind="blocks"} 30.0' in again

@@ -102,6 +102,17 @@ def fill(agent, seed=1):
     agent.region.array[:] = np.random.default_rng(seed).integers(0, 256, agent.region.array.shape, dtype=np.uint8)
 
 
+async def take_notices(agent, count, timeout=5.0):
+    """The next ``count`` notices the agent's application gets, within ``timeout`` seconds."""
+    got = []
+    async with asyncio.timeout(timeout):
+        async for notice in agent.notices():
+            got.append(notice)
+            if len(got) == count:
+                return got
+    raise AssertionError(f"the notice stream ended after {len(got)} of {count}")
+
+
 async def pair(make_agent, same_host, rx=None, tx=None):
     a = await make_agent(peer_id="a", same_host_lane=same_host, **(tx or {}))
     b = await make_agent(peer_id="b", same_host_lane=same_host, **(rx or {}))
@@ -134,12 +145,7 @@ async def test_notices_come_in_write_order_and_split_writes_yield_one(make_agent
     writes = [a.write_blocks("b", list(range(20)), list(range(63, 43, -1)), notice=b"split")]
     writes += [a.write_blocks("b", [i], [i], notice=b"%d" % i) for i in range(40)]
     await asyncio.wait_for(asyncio.gather(*writes), 10)
-    got = []
-    async with asyncio.timeout(5):
-        async for notice in b.notices():
-            got.append(notice)
-            if len(got) == 41:
-                break
+    got = await take_notices(b, 41)
     assert got[0] == Notice("a", tuple(range(63, 43, -1)), b"split")  # one notice, every row, in order
     assert [n.data for n in got[1:]] == [b"%d" % i for i in range(40)]
     assert b.transport.notices.get_nowait() is None  # nothing more, nothing twice
@@ -163,12 +169,7 @@ async def test_intents_wait_behind_noticed_headers_sent_over_ucx(make_agent):
     assert len(link.held) == 39  # every later one waits (behind it, and in order)
     await asyncio.wait_for(asyncio.gather(*writes), 10)
     assert not link.held and not link.lane_noticed
-    got = []
-    async with asyncio.timeout(5):
-        async for notice in b.notices():
-            got.append(notice)
-            if len(got) == 40:
-                break
+    got = await take_notices(b, 40)
     assert [n.data for n in got] == [b"%d" % i for i in range(40)] and not any(n.failed for n in got)
     assert np.array_equal(b.region.array[63:23:-1], a.region.array[:40])
 
@@ -195,14 +196,9 @@ async def test_full_queue_holds_the_senders_writes_until_read(make_agent, same_h
     await asyncio.sleep(0.3)
     assert not any(w.done() for w in writes[2:])  # back-pressure: unacknowledged
     assert len(b.transport.notices) == 2 and b.transport.notices.waiting == 4
-    got = []
-    async with asyncio.timeout(5):
-        async for notice in b.notices():
-            got.append(notice.data)
-            if len(got) == 6:
-                break
+    got = await take_notices(b, 6)
     await asyncio.wait_for(asyncio.gather(*writes), 5)
-    assert got == [b"%d" % i for i in range(6)]
+    assert [n.data for n in got] == [b"%d" % i for i in range(6)]
 
 
 async def test_notice_over_the_receivers_limit_fails_locally_and_keeps_the_peer(make_agent):
@@ -229,11 +225,7 @@ async def test_cancelled_or_expired_write_yields_exactly_one_notice(make_agent, 
     a.cancel([cancelled.id])
     with pytest.raises(TransferCancelled):
         await cancelled
-    got = []
-    async with asyncio.timeout(5):
-        async for notice in b.notices():
-            got.append(notice)
-            break
+    got = await take_notices(b, 1)
     assert got[0].data == b"cancel" and (got[0].failed is None or isinstance(got[0].failed, TransferCancelled))
     await asyncio.sleep(0.2)
     assert b.transport.notices.get_nowait() is None

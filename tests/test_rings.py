@@ -187,6 +187,26 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert b.transport.links["a"].ring_in.wakeups > 0
 
 
+async def test_ring_message_frames_are_one_aligned_copy(make_agent):
+    """A chunk message out of the ring: the frames the sink gets are copied once into one
+    allocation (not one array per frame), each frame 64-byte aligned within it whatever the
+    sizes before it, writable, and not the ring's memory."""
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(list(frames)))
+    sent = [np.full(3, 1, np.uint8), np.arange(40, dtype=np.int64).view(np.uint8), np.zeros(0, np.uint8),
+            np.full(77, 5, np.uint8)]
+    await asyncio.wait_for(a.send_message("b", "k", b"", sent), 5)
+    frames = got[0]
+    assert [bytes(f) for f in frames] == [bytes(f) for f in sent]
+    base = frames[0].__array_interface__["data"][0]
+    assert all((f.__array_interface__["data"][0] - base) % 64 == 0 for f in frames)
+    assert all(f.flags.writeable for f in frames)
+    assert len({id(f.base) for f in frames}) == 1 and frames[0].base is not None
+    await asyncio.wait_for(a.send_message("b", "k2", b"", [np.full(8, 2, np.uint8)]), 5)
+    assert bytes(frames[3]) == bytes(sent[3])  # the ring's later records did not change them
+
+
 async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     """After traffic, each ring spins at most once more, then sleeps until a record comes."""
     a, b = await pair(make_agent)

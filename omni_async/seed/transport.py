@@ -3,8 +3,9 @@
 One :class:`~omni_async.agent.Agent` runs on the loop of a :class:`~omni_async.seed.portal.Portal`:
 
 * ``add_remote_peer``, ``remove_remote_peer``, ``cancel(mode="wait")`` and ``close`` wait
-  (bounded) for the loop; ``write_blocks`` waits only while the loop posts the write (the core
-  validates the indices there, once, and the transfer id is the core's);
+  (bounded) for the loop; ``write_blocks`` never waits for it: it checks the peer and the
+  indices in the caller's thread (the same :func:`~omni_async.region.plan_runs` the core runs),
+  numbers the write (the facade's own ids) and hands it to the loop without a round trip;
 * the loop pushes every settled transfer into locked books that ``poll`` drains; a ``poll`` that
   finds nothing while transfers are in flight waits for the next settlement on a condition (at
   most :data:`~omni_async.seed.portal.NEWS_WAIT_S`), so a caller polling in a tight loop or
@@ -17,12 +18,14 @@ thread (a call from there would wait on itself and raises :class:`RuntimeError`)
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import socket
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
+from functools import partial
 from typing import Any, Final, NamedTuple
 
 import msgspec
@@ -42,7 +45,7 @@ from ..errors import (
     PeerLost,
     TransferFailed,
 )
-from ..region import BlockRegion, config_fingerprint
+from ..region import BlockRegion, config_fingerprint, plan_runs
 from ..transport import CancelMode, Transfer
 from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
 from .portal import Facade, Portal
@@ -99,6 +102,8 @@ class _Engine:
         self.reasons: OrderedDict[int, OmniAsyncError] = OrderedDict()  # locked
         self.live: set[str] = set()  # locked: agent-level ids of joined peers
         self.peers: dict[str, str] = {}  # locked: caller's peer id -> agent-level peer id
+        self.sizes: dict[str, int] = {}  # locked: agent-level peer id -> its num_blocks
+        self.ids = itertools.count(1)  # locked: the facade's transfer ids
         self.handles: dict[int, Transfer] = {}  # loop thread only: id -> core transfer, until settled
         self.agent: Agent | None = None
         self.portal = Portal(f"omni-sync-{config.peer_id}", "SyncDataTransport", use_uvloop=use_uvloop)
@@ -120,6 +125,7 @@ class _Engine:
             self.inflight.clear()
             self.settled.clear()
             self.peers.clear()
+            self.sizes.clear()
             self.live.clear()
 
     # -- draining (caller's thread, lock held) -----------------------------------------------
@@ -148,30 +154,31 @@ class _Engine:
             self.live.discard(event.peer_id)
         # The agent already failed the peer's transfers; catch any it did not know about.
         error = event.error or PeerLost(f"peer {event.peer_id!r} left")
-        for transfer in list(self.handles.values()):
+        for transfer_id, transfer in list(self.handles.items()):
             if transfer.peer_id == event.peer_id and not transfer.done():
-                self.handles.pop(transfer.id, None)
-                self.settle(transfer.id, error)
+                self.handles.pop(transfer_id, None)
+                self.settle(transfer_id, error)
 
-    def submit(self, name: str, core_id: str, local: list[int], remote: list[int]) -> int | OmniAsyncError:
-        """Post the write through the agent (which validates it); its id, or why it was refused."""
+    def submit(self, transfer_id: int, core_id: str, local: list[int], remote: list[int]) -> None:
+        """Post write ``transfer_id`` (checked and put in flight by the caller) through the agent;
+        if the agent refuses it now (the peer left meanwhile, the agent is closing), it settles
+        as failed with the agent's reason."""
         assert self.agent is not None
         try:
             transfer = self.agent.write_blocks(core_id, local, remote)
         except OmniAsyncError as exc:
-            return exc
+            self.settle(transfer_id, exc)
+            return
         except Exception as exc:  # a UCX error posting the sends
             log.exception("a write to %s could not be posted", core_id)
-            return TransferFailed(f"could not post the write: {exc!r}")
-        self.handles[transfer.id] = transfer
-        with self.portal.lock:
-            self.inflight[transfer.id] = name
-        transfer.add_done_callback(self.on_transfer_done)
-        return transfer.id
+            self.settle(transfer_id, TransferFailed(f"could not post the write: {exc!r}"))
+            return
+        self.handles[transfer_id] = transfer
+        transfer.add_done_callback(partial(self.on_transfer_done, transfer_id))
 
-    def on_transfer_done(self, transfer: Transfer) -> None:
-        self.handles.pop(transfer.id, None)
-        self.settle(transfer.id, transfer.error())
+    def on_transfer_done(self, transfer_id: int, transfer: Transfer) -> None:
+        self.handles.pop(transfer_id, None)
+        self.settle(transfer_id, transfer.error())
 
     def settle(self, transfer_id: int, error: OmniAsyncError | None) -> None:
         with self.portal.lock:
@@ -186,17 +193,17 @@ class _Engine:
             self.portal.notify()
 
     def cancel_now(self, transfer_ids: list[int]) -> None:
-        known = [i for i in transfer_ids if self.handles.pop(i, None) is not None]
+        known = [transfer.id for i in transfer_ids if (transfer := self.handles.pop(i, None)) is not None]
         if known and self.agent is not None:
             with suppress(ClosedError):
                 self.agent.cancel(known, "immediate")
 
     def cancel_wait(self, transfer_ids: list[int]) -> list[int]:
-        known = [i for i in transfer_ids if i in self.handles]
+        known = {self.handles[i].id: i for i in transfer_ids if i in self.handles}  # core id -> ours
         draining: set[int] = set()
         if known and self.agent is not None:
             with suppress(ClosedError):
-                draining = set(self.agent.cancel(known, "wait"))
+                draining = {known[core] for core in self.agent.cancel(list(known), "wait")}
         still: list[int] = []
         with self.portal.lock:
             for transfer_id in transfer_ids:
@@ -374,7 +381,10 @@ class SyncDataTransport(Facade):
         with self._portal.lock:
             previous = engine.peers.get(peer_id)
             engine.peers[peer_id] = card.peer_id
+            engine.sizes[card.peer_id] = num_blocks  # the join checked it is the peer's
             orphan = previous not in (None, card.peer_id, *engine.peers.values())
+            if orphan and previous is not None:
+                engine.sizes.pop(previous, None)
         if orphan:
             assert previous is not None and engine.agent is not None
             self._portal.run(engine.agent.remove_peer(previous), timeout, f"removing the old {peer_id!r}")
@@ -388,38 +398,46 @@ class SyncDataTransport(Facade):
             core_id = engine.peers.pop(peer_id, None)
             if core_id is None or core_id in engine.peers.values():
                 return
+            engine.sizes.pop(core_id, None)
         assert engine.agent is not None
         self._portal.run(engine.agent.remove_peer(core_id), self._wait_budget, f"removing {peer_id!r}")
 
     def write_blocks(self, peer_id: str, local_idxs: list[int], remote_idxs: list[int]) -> int | None:
         """Submit a write of local blocks into the peer's blocks.
 
-        Waits only while the loop posts it (the agent validates the indices there); the data
-        moves in the background.  Returns a transfer id, unique for this transport's life, to
-        find in :meth:`poll`; or ``None`` if ``peer_id`` is not registered (or its connection is
-        gone) or the indices are invalid (see :attr:`last_error`).  The index lists are copied.
-        Raises :class:`ClosedError` after :meth:`close`.
+        Does not wait for the loop: the peer and the indices are checked here, the write is
+        handed to the loop and the data moves in the background.  Returns a transfer id (this
+        facade's own, unique for this transport's life) to find in :meth:`poll`; or ``None`` if
+        ``peer_id`` is not registered (or its connection is gone) or the indices are invalid
+        (see :attr:`last_error`).  A write the agent refuses once on the loop (the peer left
+        in between) surfaces in :meth:`poll` as failed, with :meth:`failure_reason`.  The index
+        lists are copied.  Raises :class:`ClosedError` after :meth:`close`.
         """
-        engine = self._engine
+        engine, portal = self._engine, self._portal
         local, remote = list(local_idxs), list(remote_idxs)
-        with self._portal.lock:
-            self._portal.check_open()
+        with portal.lock:
+            portal.check_open()
             core_id = engine.peers.get(peer_id)
             joined = core_id is not None and core_id in engine.live
-        if core_id is None or not joined:
-            self._last_error = PeerLost(f"peer {peer_id!r} is not registered or not connected")
-            return None
-        try:
-            outcome = self._portal.call(
-                engine.submit, peer_id, core_id, local, remote, timeout=self._wait_budget, what="posting a write"
-            )
-        except (ClosedError, DeadlineExceeded) as exc:
-            outcome = exc
-        if isinstance(outcome, OmniAsyncError):
-            self._last_error = outcome
-            log.warning("write to %s refused: %s", peer_id, outcome)
-            return None
-        return outcome
+            if core_id is None or not joined:
+                self._last_error = PeerLost(f"peer {peer_id!r} is not registered or not connected")
+                return None
+            try:
+                plan_runs(local, remote, self.num_blocks, engine.sizes[core_id])
+            except OmniAsyncError as exc:
+                refused = exc
+            else:
+                transfer_id = next(engine.ids)
+                engine.inflight[transfer_id] = peer_id
+                try:
+                    portal.post(engine.submit, transfer_id, core_id, local, remote)
+                except ClosedError:
+                    del engine.inflight[transfer_id]
+                    raise
+                return transfer_id
+        self._last_error = refused
+        log.warning("write to %s refused: %s", peer_id, refused)
+        return None
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         """Ids settled since the last poll (of ``peer_id`` only, if given).

@@ -116,8 +116,15 @@ FaultCallback = Callable[[str, OmniAsyncError], None]
 broken lane, or the peer's Goodbye); the owner forgets it too."""
 
 
+_U8 = np.dtype(np.uint8)
+_FRAME_ALIGN = 64
+"""Where each frame of a ring message starts in the receiver's copy (a dtype never needs more)."""
+
+
 def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
     """A flat uint8 view of a C-contiguous buffer, without copying."""
+    if type(buffer) is np.ndarray and buffer.dtype == _U8 and buffer.ndim == 1 and buffer.flags.c_contiguous:
+        return buffer  # already one (what serde.encode makes of an array)
     try:
         view = memoryview(buffer)
     except TypeError:
@@ -1146,16 +1153,24 @@ class UcxTransport:
 
     def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview) -> None:
         """A chunk message whose frames follow its header in a ring record: copy them out
-        (the record is valid only during this call) and deliver.  Raises ProtocolError."""
+        (the record is valid only during this call) and deliver.  Raises ProtocolError.
+
+        One allocation for all the frames, each copied once into its own 64-byte aligned
+        slice of it (a sink that keeps one frame keeps the message's bytes alive)."""
         nbytes = validate_message(hdr, self.config.max_message_bytes)
         offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
         if offset + nbytes != len(record):
             raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
         link.inbox.admit(hdr.seq, 0, nbytes)
-        frames = []
-        for size in hdr.frames:
-            frames.append(np.frombuffer(record, np.uint8, size, offset).copy())
+        slots = [-(-size // _FRAME_ALIGN) * _FRAME_ALIGN for size in hdr.frames]
+        body = np.empty(sum(slots), np.uint8)
+        out = body.data
+        frames, start = [], 0
+        for size, slot in zip(hdr.frames, slots, strict=True):
+            out[start : start + size] = record[offset : offset + size]
+            frames.append(body[start : start + size])
             offset += size
+            start += slot
         self._deliver(link, hdr, frames, nbytes, None)
 
     def _deliver(
