@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from functools import partial
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -976,25 +976,10 @@ class UcxTransport:
         self._handle_header(link, header)
 
     def _handle_header(self, link: PeerLink, header: DataHeader) -> None:
-        """A header from the peer, over UCX or through its ring."""
-        if isinstance(header, Goodbye):
-            self._on_goodbye(link)
-        elif isinstance(header, Ack):
-            self._on_ack(link, header)
-        elif isinstance(header, WriteRequest):
-            self._on_write(link, header)
-        elif isinstance(header, RingOffer):
-            self._on_ring_offer(link, header)
-        elif isinstance(header, ReadRequest):
-            self._on_read(link, header)
-        elif isinstance(header, Commit):
-            self._on_commit(link, header)
-        elif isinstance(header, Abort):
-            self._on_abort(link, header)
-        else:
-            self._on_message(link, header)
+        """A header from the peer, over UCX or through its ring: to its handler, by type."""
+        self._HANDLERS[type(header)](self, link, header)
 
-    def _on_goodbye(self, link: PeerLink) -> None:
+    def _on_goodbye(self, link: PeerLink, _goodbye: Goodbye) -> None:
         """The peer leaves: what it put into the ring before comes first; a peer that leaves
         first is removed (its lane drains) and the owner told."""
         if link.ring_in is not None:
@@ -1226,6 +1211,18 @@ class UcxTransport:
         self._send_header(link, ack, _ignore)
 
     # -- lifecycle -------------------------------------------------------------------------
+    _HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
+        Goodbye: _on_goodbye,
+        Ack: _on_ack,
+        WriteRequest: _on_write,
+        RingOffer: _on_ring_offer,
+        ReadRequest: _on_read,
+        Commit: _on_commit,
+        Abort: _on_abort,
+        MessageHeader: _on_message,
+    }
+    """Each data header's handler ``(self, link, header)``: every type of ``DataHeader``."""
+
     async def close(self) -> None:
         """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
         and wait until UCX released them.  Idempotent."""
