@@ -48,6 +48,13 @@ _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the p
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
+_RNDV_THRESH_SHM = 8192
+"""Bytes from which a message goes by rendezvous over shared memory."""
+_RNDV_THRESH_TCP = 64 * 1024 + 1
+"""Bytes from which a message goes by rendezvous over tcp: one 64 KiB block still goes eagerly."""
+_TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "72K", "TCP_RX_SEG_SIZE": "72K"}
+"""UCX's tcp segments (8 KiB by default) hold an eager 64 KiB message and its headers whole."""
+
 ucx_api: Any = None
 """ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
 _load_lock = threading.Lock()
@@ -78,13 +85,20 @@ def load_ucxx() -> Any:
 
 
 def new_context(tls: str, net_devices: str = "") -> Any:
-    """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set)."""
+    """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set).
+
+    Thresholds (measured, docs/tuning.md): over shared memory, messages from 8 KiB on go by
+    rendezvous, received straight into the target rows (the default threshold sends 64 KiB
+    blocks eagerly through bounce buffers: ~10x slower).  Over tcp (``tls="tcp"``, and between
+    hosts otherwise) messages up to one 64 KiB block go eagerly, each in one tcp segment: a
+    rendezvous costs two more hand-offs per message (ready-to-receive, then the data), which
+    over tcp cost more than the receiver's copy out of UCX's buffer.
+    """
     load_ucxx()
-    # Messages from 8 KiB on go by rendezvous, received straight into the target buffer (the
-    # default threshold sends 64 KiB blocks eagerly through bounce buffers: ~10x slower here).
-    config = {"TLS": tls, "RNDV_THRESH": "8192"}
-    if tls == "tcp":  # tcp only: the receiver-pull default is ~3x slower than put_zcopy here
-        config["RNDV_SCHEME"] = "put_zcopy"
+    config = {"TLS": tls, "RNDV_THRESH": f"intra:{_RNDV_THRESH_SHM},inter:{_RNDV_THRESH_TCP}", **_TCP_SEGMENTS}
+    if tls == "tcp":  # tcp only, even on one host
+        config["RNDV_THRESH"] = str(_RNDV_THRESH_TCP)
+        config["RNDV_SCHEME"] = "put_zcopy"  # the receiver-pull default is ~3x slower here
     if net_devices:
         config["NET_DEVICES"] = net_devices
     return ucx_api.UCXContext(config)
