@@ -176,7 +176,9 @@ class Lane:
         :mod:`.iov`, never through ucxx: a ucxx request that UCX can never finish (a rendezvous
         send to a peer that died or stopped) would keep its endpoint and worker alive for good.
         """
-        self.send_many([np.frombuffer(buffer, np.uint8)], tag, done)
+        view = np.frombuffer(buffer, np.uint8)
+        address = iov.address_of(view)
+        self._post(lambda: iov.send_bytes(self._endpoint, tag, address, view.nbytes), view, done)
 
     def watch(self, tag: int, mask: int, on_arrival: Arrival) -> None:
         """Hand every message whose tag matches ``tag`` under ``mask`` to ``on_arrival``.
@@ -191,30 +193,40 @@ class Lane:
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
         """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
         ``done`` runs)."""
-        self._post(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
+        if len(buffers) == 1:  # one buffer: UCX's contiguous path, and no IOV to build
+            self.send(buffers[0], tag, done)
+            return
+        vector = iov.iov_of(buffers)
+        self._post(lambda: iov.send(self._endpoint, tag, vector), (buffers, vector), done)
 
     def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
         """Receive a message taken by a watch, scattered over ``buffers`` (their sizes must add
         up to its length; borrowed until ``done`` runs)."""
-        self._post(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
+        if len(buffers) == 1:
+            self.recv_arrived(buffers[0], message, done)
+            return
+        vector = iov.iov_of(buffers)
+        self._post(lambda: iov.recv(self._worker, message, vector), (buffers, vector), done)
 
-    def _post(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
-        """Post a :mod:`.iov` request over ``buffers`` and track it until it completes."""
+    def _post(self, post: Callable[[], int], keepalive: object, done: Completion) -> None:
+        """Post a :mod:`.iov` request and track it until it completes (``keepalive``: the
+        buffers it names, referenced until then)."""
         if self._closed:
             _run(done, self._close_reason)
             return
-        vector = iov.iov_of(buffers)
         try:
-            handle = post(vector)
+            handle = post()
         except OSError as exc:
             _run(done, exc)
             return
-        self._track(_RawRequest(handle), done, (buffers, vector))
+        self._track(_RawRequest(handle), done, keepalive)
 
     def recv_arrived(self, buffer: Any, message: int, done: Completion) -> None:
         """Receive a message taken by a watch into ``buffer`` (any writable C-contiguous buffer
         of at least its length, borrowed until ``done`` runs)."""
-        self.recv_arrived_many([np.frombuffer(buffer, np.uint8)], message, done)
+        view = np.frombuffer(buffer, np.uint8)
+        address = iov.address_of(view)
+        self._post(lambda: iov.recv_bytes(self._worker, message, address, view.nbytes), view, done)
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
