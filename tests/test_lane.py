@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from omni_async import TransferFailed
+from omni_async.transport import iov
 from omni_async.transport.lane import Lane, new_context
 from omni_async.transport.samehost import RingReceiver
 from omni_async.wire import FULL_MASK
@@ -172,6 +173,7 @@ print("ok")
 
 _SILENT_PEER = """
 import asyncio, sys
+from omni_async.transport import iov
 from omni_async.transport.lane import Lane, new_context
 
 async def main():
@@ -307,3 +309,34 @@ async def test_a_lane_whose_peer_stopped_while_we_receive_its_message_frees_its_
     finally:
         child.kill()  # a stopped process is killed too
         child.wait()
+
+
+async def test_a_one_block_write_over_tcp_is_one_hand_off_each_way(make_agent):
+    """Over tcp a 64 KiB block goes eagerly, in one tcp segment: the receiver wakes once for
+    the header and its payload, the sender once for the ack (a rendezvous took three more
+    wake-ups per write: ready-to-receive, the data, and segments of 8 KiB)."""
+    config = {"ucx_tls": "tcp", "same_host_lane": False}
+    rx = await make_agent(8, 64 * 1024, peer_id="rx", **config)
+    tx = await make_agent(8, 64 * 1024, peer_id="tx", **config)
+    await asyncio.wait_for(tx.connect(rx.control_address), 10)
+    tx.region.array[1] = 7
+    async with asyncio.timeout(20):
+        for _ in range(10):  # warm-up: UCX wires the tcp connection on first use
+            await tx.write_blocks("rx", [1], [2])
+        lanes = [tx.transport.lane("rx"), rx.transport.lane("tx")]
+        before = sum(lane.wakeups for lane in lanes)
+        writes = 50
+        for _ in range(writes):
+            await tx.write_blocks("rx", [1], [2])
+    assert np.all(rx.region.array[2] == 7)
+    per_write = (sum(lane.wakeups for lane in lanes) - before) / writes
+    assert per_write <= 3, f"{per_write} lane wake-ups per 1-block write over tcp (rendezvous: 6)"
+
+
+def test_address_of_is_the_first_byte_of_any_flat_byte_array():
+    """The lane's contiguous sends and receives name a buffer by this address: writable
+    (region rows, a row in the middle of a region), read-only (encoded headers) and empty."""
+    region = np.zeros((8, 1024), np.uint8)
+    header = np.frombuffer(b"encoded header", np.uint8)
+    for view in (region[3], region[2:5].reshape(-1), header, np.empty(0, np.uint8)):
+        assert iov.address_of(view) == view.ctypes.data

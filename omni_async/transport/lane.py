@@ -48,6 +48,13 @@ _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the p
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
+_RNDV_THRESH_SHM = 8192
+"""Bytes from which a message goes by rendezvous over shared memory."""
+_RNDV_THRESH_TCP = 64 * 1024 + 1
+"""Bytes from which a message goes by rendezvous over tcp: one 64 KiB block still goes eagerly."""
+_TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "72K", "TCP_RX_SEG_SIZE": "72K"}
+"""UCX's tcp segments (8 KiB by default) hold an eager 64 KiB message and its headers whole."""
+
 ucx_api: Any = None
 """ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
 _load_lock = threading.Lock()
@@ -78,13 +85,20 @@ def load_ucxx() -> Any:
 
 
 def new_context(tls: str, net_devices: str = "") -> Any:
-    """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set)."""
+    """A UCX context with the given ``UCX_TLS`` (and ``UCX_NET_DEVICES`` when set).
+
+    Thresholds (measured, docs/tuning.md): over shared memory, messages from 8 KiB on go by
+    rendezvous, received straight into the target rows (the default threshold sends 64 KiB
+    blocks eagerly through bounce buffers: ~10x slower).  Over tcp (``tls="tcp"``, and between
+    hosts otherwise) messages up to one 64 KiB block go eagerly, each in one tcp segment: a
+    rendezvous costs two more hand-offs per message (ready-to-receive, then the data), which
+    over tcp cost more than the receiver's copy out of UCX's buffer.
+    """
     load_ucxx()
-    # Messages from 8 KiB on go by rendezvous, received straight into the target buffer (the
-    # default threshold sends 64 KiB blocks eagerly through bounce buffers: ~10x slower here).
-    config = {"TLS": tls, "RNDV_THRESH": "8192"}
-    if tls == "tcp":  # tcp only: the receiver-pull default is ~3x slower than put_zcopy here
-        config["RNDV_SCHEME"] = "put_zcopy"
+    config = {"TLS": tls, "RNDV_THRESH": f"intra:{_RNDV_THRESH_SHM},inter:{_RNDV_THRESH_TCP}", **_TCP_SEGMENTS}
+    if tls == "tcp":  # tcp only, even on one host
+        config["RNDV_THRESH"] = str(_RNDV_THRESH_TCP)
+        config["RNDV_SCHEME"] = "put_zcopy"  # the receiver-pull default is ~3x slower here
     if net_devices:
         config["NET_DEVICES"] = net_devices
     return ucx_api.UCXContext(config)
@@ -162,7 +176,9 @@ class Lane:
         :mod:`.iov`, never through ucxx: a ucxx request that UCX can never finish (a rendezvous
         send to a peer that died or stopped) would keep its endpoint and worker alive for good.
         """
-        self.send_many([np.frombuffer(buffer, np.uint8)], tag, done)
+        view = np.frombuffer(buffer, np.uint8)
+        address = iov.address_of(view)
+        self._post(lambda: iov.send_bytes(self._endpoint, tag, address, view.nbytes), view, done)
 
     def watch(self, tag: int, mask: int, on_arrival: Arrival) -> None:
         """Hand every message whose tag matches ``tag`` under ``mask`` to ``on_arrival``.
@@ -177,30 +193,40 @@ class Lane:
     def send_many(self, buffers: list[Any], tag: int, done: Completion) -> None:
         """Post one tagged send gathering ``buffers`` (C-contiguous byte arrays, borrowed until
         ``done`` runs)."""
-        self._post(lambda vector: iov.send(self._endpoint, tag, vector), buffers, done)
+        if len(buffers) == 1:  # one buffer: UCX's contiguous path, and no IOV to build
+            self.send(buffers[0], tag, done)
+            return
+        vector = iov.iov_of(buffers)
+        self._post(lambda: iov.send(self._endpoint, tag, vector), (buffers, vector), done)
 
     def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
         """Receive a message taken by a watch, scattered over ``buffers`` (their sizes must add
         up to its length; borrowed until ``done`` runs)."""
-        self._post(lambda vector: iov.recv(self._worker, message, vector), buffers, done)
+        if len(buffers) == 1:
+            self.recv_arrived(buffers[0], message, done)
+            return
+        vector = iov.iov_of(buffers)
+        self._post(lambda: iov.recv(self._worker, message, vector), (buffers, vector), done)
 
-    def _post(self, post: Callable[[Any], int], buffers: list[Any], done: Completion) -> None:
-        """Post a :mod:`.iov` request over ``buffers`` and track it until it completes."""
+    def _post(self, post: Callable[[], int], keepalive: object, done: Completion) -> None:
+        """Post a :mod:`.iov` request and track it until it completes (``keepalive``: the
+        buffers it names, referenced until then)."""
         if self._closed:
             _run(done, self._close_reason)
             return
-        vector = iov.iov_of(buffers)
         try:
-            handle = post(vector)
+            handle = post()
         except OSError as exc:
             _run(done, exc)
             return
-        self._track(_RawRequest(handle), done, (buffers, vector))
+        self._track(_RawRequest(handle), done, keepalive)
 
     def recv_arrived(self, buffer: Any, message: int, done: Completion) -> None:
         """Receive a message taken by a watch into ``buffer`` (any writable C-contiguous buffer
         of at least its length, borrowed until ``done`` runs)."""
-        self.recv_arrived_many([np.frombuffer(buffer, np.uint8)], message, done)
+        view = np.frombuffer(buffer, np.uint8)
+        address = iov.address_of(view)
+        self._post(lambda: iov.recv_bytes(self._worker, message, address, view.nbytes), view, done)
 
     def _track(self, request: Any, done: Completion, keepalive: object) -> None:
         if request.completed:
