@@ -78,6 +78,8 @@ def split_runs(runs: Sequence[Run], max_blocks: int, max_runs: int = RUNS_PER_RE
     ``runs`` is in exactly one request, in the same order."""
     if max_blocks < 1 or max_runs < 1:
         raise ValueError(f"limits must be positive, got max_blocks={max_blocks} max_runs={max_runs}")
+    if len(runs) <= max_runs and sum(run.length for run in runs) <= max_blocks:
+        return [list(runs)] if runs else []  # the common case: one request, no run cut
     requests: list[list[Run]] = []
     batch: list[Run] = []
     blocks = 0

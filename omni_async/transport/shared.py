@@ -101,7 +101,10 @@ class MappedRegion:
     def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
         dst = self.rows
         for local, remote, length in runs:
-            dst[remote : remote + length] = src[local : local + length]
+            if length == 1:  # a row by index: cheaper than a one-row slice
+                dst[remote] = src[local]
+            else:
+                dst[remote : remote + length] = src[local : local + length]
 
     def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
         """Copy the peer's blocks of each run (``remote``) into ``dst`` (``local``); the runs
