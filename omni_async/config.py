@@ -73,6 +73,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """A peer silent for this long is lost; its in-flight transfers fail with PeerLost."""
     transfer_timeout: PositiveSeconds = 60.0
     """A transfer not acknowledged within this fails with DeadlineExceeded."""
+    lane_close_grace: PositiveSeconds = 5.0
+    """Seconds a removed peer's UCX endpoint may take to close (it needs the peer's answer)
+    before its worker is destroyed anyway: what closing a peer that stopped answering costs."""
     ucx_tls: str = "^cma"
     """UCX_TLS for the data plane.  cma is excluded: it aborts the sender when a receiver dies."""
     ucx_net_devices: str = ""

@@ -57,7 +57,7 @@ async def healthy_traffic(a, b, rounds: int) -> int:
 
 async def test_garbage_and_replays_do_not_disturb_a_healthy_peer(make_agent):
     a = await make_agent(peer_id="a")
-    b = await make_agent(peer_id="b")
+    b = await make_agent(peer_id="b", lane_close_grace=1.0)  # the intruder's lane never answers its close
     await a.connect(b.control_address)
     ctx = zmq.asyncio.Context()
     try:
@@ -124,7 +124,7 @@ async def test_handshake_flood_is_bounded(make_agent):
     was answered: the admitted ones become real lost lanes (silent peer, dead worker).  At most
     max_peers are joined at once, every one is dropped, every lane is released, and the
     descriptor count comes back to where it was (2 of slack)."""
-    b = await make_agent(peer_id="b", max_peers=8, heartbeat_interval=0.1, heartbeat_timeout=0.5)
+    b = await make_agent(peer_id="b", max_peers=8, heartbeat_interval=0.1, heartbeat_timeout=0.5, lane_close_grace=1.0)
     live, peak = set(), [0]
 
     def track(event):
@@ -168,7 +168,7 @@ async def test_handshake_flood_is_bounded(make_agent):
         assert b.peers == {}
     finally:
         ctx.destroy(0)
-    for _ in range(200):  # lost lanes are released within the lane close grace (5 s)
+    for _ in range(200):  # lost lanes are released within the lane close grace (1 s: their peers never answer)
         if fds() <= fds_before + 2:
             break
         await asyncio.sleep(0.05)

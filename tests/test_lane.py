@@ -17,6 +17,9 @@ from omni_async.wire import FULL_MASK
 pytestmark = pytest.mark.timeout(60)
 
 TAG = 7
+CLOSE_GRACE = 0.5
+"""Seconds a closing lane of these tests waits for its endpoint's close: an endpoint to a
+stopped peer never closes, so its lane is released when the grace runs out, however long that is."""
 
 
 async def lanes():
@@ -79,6 +82,39 @@ async def test_closed_lanes_and_ring_receivers_are_freed_when_dropped():
         assert [ref() for ref in refs] == [None, None, None]
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("size", [64, 64 * 1024], ids=["eager", "rendezvous"])
+async def test_an_error_a_completion_keeps_pins_neither_the_lane_nor_its_worker(size):
+    """A request that fails (here a receive into a buffer shorter than its message) hands its
+    completion an error that holds no frame of the lane: an owner that keeps the error (a
+    failed transfer's reason) does not keep the lane, nor the UCX worker its progress had in
+    hand, so the closed lane is freed at once when dropped.  (An error raised and caught inside
+    the lane pinned them through its traceback: a lane whose peer was killed kept its worker's
+    descriptors open for as long as the error lived.)"""
+    sender, receiver = await lanes()
+    taken: list[tuple[int, int]] = []
+    receiver.watch(TAG, FULL_MASK, lambda _tag, length, message: taken.append((length, message)))
+    sender.send(np.ones(size, np.uint8), TAG, lambda error: None)
+    async with asyncio.timeout(5):
+        while not taken:
+            await asyncio.sleep(0.001)
+    errors: list[BaseException | None] = []
+    length, message = taken[0]
+    receiver.recv_arrived(np.empty(length // 2, np.uint8), message, errors.append)
+    async with asyncio.timeout(5):
+        while not errors:
+            await asyncio.sleep(0.001)
+    assert isinstance(errors[0], OSError) and "truncated" in str(errors[0]), errors
+    await close(sender, receiver)
+    refs = [weakref.ref(lane) for lane in (sender, receiver)]
+    gc.disable()
+    try:
+        del sender, receiver
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
+    assert errors[0] is not None  # still kept
 
 
 async def test_a_sink_that_raises_fails_its_message_with_a_failed_ack(make_agent):
@@ -197,8 +233,8 @@ def _open_fds() -> int:
 
 
 async def _lane_to(child: subprocess.Popen[bytes], context: object) -> tuple[Lane, int]:
-    """A lane of ``context`` (the caller keeps it alive) connected to the address ``child``
-    prints, and this process's descriptor count before it (a warm-up lane pays UCX's lazy
+    """A lane of ``context`` (the caller keeps it alive, closing waits at most ``CLOSE_GRACE``)
+    connected to the address ``child`` prints, and this process's descriptor count before it (a warm-up lane pays UCX's lazy
     per-process state, e.g. shm segments, first)."""
     assert child.stdout is not None
     line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 30)
@@ -210,7 +246,7 @@ async def _lane_to(child: subprocess.Popen[bytes], context: object) -> tuple[Lan
     del warm
     gc.collect()
     baseline = _open_fds()
-    lane = Lane(context, loop)
+    lane = Lane(context, loop, close_grace=CLOSE_GRACE)
     lane.connect(address)
     return lane, baseline
 

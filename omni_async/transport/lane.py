@@ -109,10 +109,12 @@ class Lane:
 
     Buffers passed to :meth:`send` and :meth:`recv` are borrowed: the caller must keep them
     alive and unchanged until the completion runs.  The lane keeps a reference meanwhile.
+    ``close_grace`` bounds how long :meth:`close` waits for the endpoint's close (seconds).
     """
 
-    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop, *, close_grace: float = _CLOSE_GRACE) -> None:
         self._loop = loop
+        self._close_grace = close_grace
         load_ucxx()
         self._worker: Any = ucx_api.UCXWorker(
             context, enable_delayed_submission=False, enable_python_future=False
@@ -120,7 +122,7 @@ class Lane:
         self._worker.init_blocking_progress_mode()
         self._fd: int = self._worker.epoll_file_descriptor
         self._endpoint = 0  # a UCP endpoint handle (:mod:`.iov`), 0 until connected
-        self._pending: deque[tuple[Any, Completion, object]] = deque()
+        self._pending: deque[tuple[_RawRequest, Completion, object]] = deque()
         self._watches: list[tuple[int, int, Arrival]] = []
         self._probe_info = iov.RecvInfo()
         # One queued drive at a time, cleared only when it runs (not by the event fd's drives):
@@ -131,7 +133,7 @@ class Lane:
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
         self._closing = _RawRequest(0)  # the endpoint's flush-close, once started
-        self._orphans: list[tuple[Any, Completion, object]] = []
+        self._orphans: list[tuple[_RawRequest, Completion, object]] = []
         self._close_deadline = 0.0
         self._released: asyncio.Future[None] = loop.create_future()
         self.wakeups = 0
@@ -216,8 +218,8 @@ class Lane:
             return
         try:
             handle = post()
-        except OSError as exc:
-            _run(done, exc)
+        except OSError as exc:  # handed on without its traceback, which holds this lane's frames
+            _run(done, exc.with_traceback(None))
             return
         self._track(_RawRequest(handle), done, keepalive)
 
@@ -228,9 +230,9 @@ class Lane:
         address = iov.address_of(view)
         self._post(lambda: iov.recv_bytes(self._worker, message, address, view.nbytes), view, done)
 
-    def _track(self, request: Any, done: Completion, keepalive: object) -> None:
+    def _track(self, request: _RawRequest, done: Completion, keepalive: object) -> None:
         if request.completed:
-            _run(done, _request_error(request))
+            _run(done, request.take_error())
             return
         self._pending.append((request, done, keepalive))
         self._next_turn(self._drive)
@@ -326,16 +328,16 @@ class Lane:
         the rest.  Scanning everything every round made a 256-message write quadratic.
         """
         pending = self._pending
-        finished: list[tuple[Any, Completion, object]] = []
+        finished: list[tuple[_RawRequest, Completion, object]] = []
         while pending and pending[0][0].completed:
             finished.append(pending.popleft())
         if everything and pending:
-            still: deque[tuple[Any, Completion, object]] = deque()
+            still: deque[tuple[_RawRequest, Completion, object]] = deque()
             for item in pending:
                 (finished if item[0].completed else still).append(item)
             self._pending = still
         for request, done, _ in finished:
-            _run(done, _request_error(request))
+            _run(done, request.take_error())
 
     def close(self, reason: BaseException | None = None) -> None:
         """Fail every pending request with ``reason``, then close the endpoint in the background.
@@ -344,7 +346,7 @@ class Lane:
         referenced until the lane is released (UCX may still fill a posted receive while the
         close is progressed).  The endpoint close is a UCX flush-close that completes within
         milliseconds, but only while the worker is progressed and the peer's worker answers:
-        the lane progresses it every few milliseconds (for at most ``_CLOSE_GRACE`` seconds),
+        the lane progresses it every few milliseconds (for at most ``close_grace`` seconds),
         then releases the worker.  Await :meth:`wait_closed` to know it is released.  Released
         means destroyed, whatever UCX still holds (rendezvous sends to a peer that died or is
         stopped, the close itself): no request of a lane is a ucxx object, so nothing keeps the
@@ -365,7 +367,7 @@ class Lane:
         if not self._endpoint:
             self._release()
             return
-        self._close_deadline = self._loop.time() + _CLOSE_GRACE
+        self._close_deadline = self._loop.time() + self._close_grace
         try:
             self._closing = _RawRequest(iov.close(self._endpoint))
         except OSError as exc:  # the worker is destroyed anyway, and the endpoint with it
@@ -380,7 +382,7 @@ class Lane:
         return self._released.done()
 
     async def wait_closed(self) -> None:
-        """Wait until :meth:`close` has released the worker (at most ``_CLOSE_GRACE`` seconds)."""
+        """Wait until :meth:`close` has released the worker (at most ``close_grace`` seconds)."""
         await asyncio.shield(self._released)
 
     def _close_tick(self) -> None:
@@ -396,15 +398,14 @@ class Lane:
             self._close_deadline = min(self._close_deadline, self._loop.time() + _CLOSE_LINGER)
         if self._loop.time() > self._close_deadline:
             if not self._endpoint_done:
-                log.warning("UCX endpoint close did not finish in %ss; releasing the lane anyway", _CLOSE_GRACE)
+                log.warning("UCX endpoint close did not finish in %ss; releasing the lane anyway", self._close_grace)
             self._release()
         else:
             self._loop.call_later(_CLOSE_TICK, self._close_tick)
 
     def _release(self) -> None:
         for request, _done, _keep in self._orphans:
-            if isinstance(request, _RawRequest):
-                request.release()
+            request.release()
         self._closing.release()
         # Destroys the UCP worker with its endpoint and every request UCX still holds (UCX
         # warns about those: "was not returned to mpool"), before the borrowed buffers below
@@ -427,14 +428,17 @@ class _RawRequest:
     def completed(self) -> bool:
         return not self.handle or iov.status(self.handle) != iov.UCS_INPROGRESS
 
-    def check_error(self) -> None:
-        """Raise the request's error, if any, and release it (call once, when completed)."""
+    def take_error(self) -> OSError | None:
+        """The request's error, if any; releases the request (call once, when completed).
+
+        Returned, never raised: a caught error's traceback holds the lane's frames (its
+        progress pass has the worker in hand), and a completion may keep the error for good.
+        """
         if not self.handle:
-            return
+            return None
         code = iov.status(self.handle)
         self.release()
-        if code != iov.UCS_OK:
-            raise iov.error(code)
+        return None if code == iov.UCS_OK else iov.error(code)
 
     def release(self) -> None:
         if self.handle:
@@ -449,11 +453,3 @@ def _run(callback: Callable[..., None], *args: Any) -> None:
         callback(*args)
     except Exception:
         log.exception("a callback of a lane failed: %r", callback)
-
-
-def _request_error(request: Any) -> BaseException | None:
-    try:
-        request.check_error()
-    except Exception as exc:  # UCX reports every failure this way
-        return exc
-    return None

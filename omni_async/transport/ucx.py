@@ -267,7 +267,7 @@ class UcxTransport:
     def open_lane(self) -> Lane:
         """A fresh lane whose address goes into a handshake; pass it to :meth:`add_peer`."""
         self._check_open()
-        return Lane(self._context, self._loop)
+        return Lane(self._context, self._loop, close_grace=self.config.lane_close_grace)
 
     async def connect_lane(self, peer: PeerInfo, lane: Lane) -> None:
         """Connect ``lane`` to the peer's lane (the first half of adding a peer; :meth:`add_peer`
