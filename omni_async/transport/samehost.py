@@ -14,8 +14,9 @@ Wake-up rule: the receiver runs in turns, from the pipe's ``loop.add_reader`` ca
 soon after this side sent a request (:meth:`RingReceiver.kick`).  A turn takes the records
 published so far (one batch) and, if there were some, comes back after the callbacks they
 woke; a turn that finds none spins on the ring's head for at most ``SPIN`` seconds if an
-answer is expected (a transfer awaits its acknowledgement) or records came in the last turn,
-then marks itself asleep (odd epoch) and sleeps.  A sender writes one byte into the pipe
+answer is expected (a transfer awaits its acknowledgement: always) or records came in the
+last turn (speculative: only while such spins pay), then marks itself asleep (odd epoch) and
+sleeps.  A sender writes one byte into the pipe
 after a record only when the receiver sleeps, once per sleep.  An idle pair costs nothing:
 one fruitless spin after the last record, then both sides sleep.
 
@@ -188,17 +189,15 @@ class RingReceiver:
         return delivered
 
     def _may_spin(self) -> bool:
-        """Spin only while an answer is expected or the peer just sent something, and only
-        while spinning pays (after ``_SPIN_MISSES`` fruitless spins in a row: every 64th turn)."""
-        if self._misses >= _SPIN_MISSES and self.turns % 64:
-            return False
-        if self._active:
-            return True
+        """Spin while an answer is expected (the peer works for us: its answer is near), or,
+        speculatively, when the peer just sent something, but that only while it pays (after
+        ``_SPIN_MISSES`` fruitless spins in a row: every 64th turn)."""
         try:
-            return self._expecting()
+            if self._expecting():
+                return True
         except Exception:
             log.exception("a ring's expecting callback failed")
-            return False
+        return self._active and (self._misses < _SPIN_MISSES or not self.turns % 64)
 
     def close(self) -> None:
         """Stop reading, close the pipe and the memfd (the peer's mapping stays valid until it
