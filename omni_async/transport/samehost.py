@@ -53,6 +53,9 @@ KIND_MESSAGE: Final = 2
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping."""
 _SPIN_MISSES: Final = 3
+_SPIN_RETRY: Final = 64
+"""After ``_SPIN_MISSES`` fruitless speculative spins in a row, one is tried only every
+``_SPIN_RETRY``-th time it could be (the peer's pace may have changed)."""
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
@@ -88,6 +91,7 @@ class RingReceiver:
         self._next_turn = NextTurn(loop)
         self._active = False
         self._misses = 0
+        self._skipped = 0
         self._delivering = False
         self.turns = 0
         """Turns run so far (for idle-CPU tests)."""
@@ -191,13 +195,21 @@ class RingReceiver:
     def _may_spin(self) -> bool:
         """Spin while an answer is expected (the peer works for us: its answer is near), or,
         speculatively, when the peer just sent something, but that only while it pays (after
-        ``_SPIN_MISSES`` fruitless spins in a row: every 64th turn)."""
+        ``_SPIN_MISSES`` fruitless spins in a row: every ``_SPIN_RETRY``-th chance)."""
         try:
             if self._expecting():
                 return True
         except Exception:
             log.exception("a ring's expecting callback failed")
-        return self._active and (self._misses < _SPIN_MISSES or not self.turns % 64)
+        if not self._active:
+            return False
+        if self._misses < _SPIN_MISSES:
+            return True
+        self._skipped += 1
+        if self._skipped < _SPIN_RETRY:
+            return False
+        self._skipped = 0
+        return True
 
     def close(self) -> None:
         """Stop reading, close the pipe and the memfd (the peer's mapping stays valid until it
@@ -230,6 +242,8 @@ class RingSender:
             raise
         self._mapping = mapping
         self.token = offer.token
+        self.pid = offer.pid
+        """The process that reads this ring (the peer)."""
         self.producer = Producer(memoryview(mapping))
         """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
         self.max_payload = max_payload(capacity)

@@ -6,6 +6,7 @@ briefly for something that is about to happen instead of sleeping until a wake-u
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 
@@ -39,9 +40,11 @@ class NextTurn:
 
 def spin(poll: Callable[[], object], seconds: float) -> bool:
     """Call ``poll`` until it returns something true or ``seconds`` passed (a busy wait: keep
-    ``seconds`` to microseconds); True as soon as it did."""
+    ``seconds`` to microseconds); True as soon as it did.  Each round yields the CPU to any
+    other runnable thread on it: the peer we wait for may have been woken onto our core."""
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         if poll():
             return True
+        os.sched_yield()
     return False

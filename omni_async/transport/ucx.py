@@ -33,6 +33,7 @@ import errno
 import inspect
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -311,7 +312,7 @@ class UcxTransport:
                 self._loop,
                 partial(self._ring_record, link),
                 partial(self._ring_broke, link),
-                lambda: bool(link.sent),
+                partial(_awaits_answer, link),
             )
         except OSError as exc:
             log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
@@ -1268,6 +1269,14 @@ def _write_request(
     if tag is None:
         return WriteRequest(transfer_id, seq, pairs, gathered, placed)
     return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
+
+
+def _awaits_answer(link: PeerLink) -> bool:
+    """Whether an answer from the peer is due and may come while this thread spins: a transfer
+    awaits its acknowledgement and the peer runs in another process (one in this process
+    cannot answer while we spin: a spin there only delays it)."""
+    ring = link.ring_out
+    return bool(link.sent) and ring is not None and ring.pid != os.getpid()
 
 
 def _follows_ring(header: DataHeader) -> bool:
