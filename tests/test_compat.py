@@ -39,6 +39,7 @@ from omni_async import (
 )
 from omni_async.auth import generate_keypair
 from omni_async.compat import PollResult, SyncDataTransport, decode_agent_metadata
+from omni_async.transport.vetting import shared_vetter_fds
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -586,7 +587,9 @@ def test_polling_with_nothing_in_flight_never_waits(make_transport):
 
 # -- close under a stopped peer ------------------------------------------------------------------------
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    """Descriptors this process holds, but for the shared address vetters' (process-wide: they
+    may start or retire a vetting server while a transport lives, and outlive it)."""
+    return len({int(fd) for fd in os.listdir("/proc/self/fd")} - shared_vetter_fds())
 
 
 def control_port(t: SyncDataTransport) -> int:

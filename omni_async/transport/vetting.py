@@ -96,6 +96,18 @@ class AddressVetter:
             why = "is not a usable UCX worker address" if verdict is False else f"was not vetted within {timeout}s"
             raise ProtocolError(f"a {len(address)}-byte agent metadata {why}")
 
+    @property
+    def fds(self) -> set[int]:
+        """The descriptors this vetter holds: its sockets to the zygote and to live servers.
+        They belong to the process (shared by every agent of this UCX setting) and outlive
+        the agents that used them."""
+        with self._lock:
+            sockets = [*self._idle, *self._checks]
+        zygote = self._zygote_sock
+        if zygote is not None:
+            sockets.append(zygote)
+        return {fd for fd in (sock.fileno() for sock in sockets) if fd >= 0}
+
     def warm_up(self) -> None:
         """Start the zygote if it is not running (blocking; run it in an executor)."""
         try:
@@ -266,3 +278,10 @@ def shared_vetter(tls: str, net_devices: str = "") -> AddressVetter:
             vetter = _vetters[(tls, net_devices)] = AddressVetter(tls, net_devices)
             atexit.register(vetter.close)
         return vetter
+
+
+def shared_vetter_fds() -> set[int]:
+    """The descriptors every shared vetter of this process holds (see :attr:`AddressVetter.fds`)."""
+    with _vetters_lock:
+        vetters = list(_vetters.values())
+    return set().union(*(vetter.fds for vetter in vetters))

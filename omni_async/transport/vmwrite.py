@@ -19,7 +19,7 @@ import os
 import secrets
 import select
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -41,6 +41,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _writev = _libc.process_vm_writev
 _writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 _writev.restype = ctypes.c_ssize_t
+_writev_holding_gil = ctypes.PyDLL(None, use_errno=True).process_vm_writev
+"""The same call, keeping the GIL: for a short write (a few µs) that is cheaper than letting
+another thread take the GIL and waiting to get it back (a facade's caller thread, mostly)."""
+_writev_holding_gil.argtypes = _writev.argtypes
+_writev_holding_gil.restype = ctypes.c_ssize_t
+_SHORT_WRITE: Final = 1 << 20
+"""Writes up to this many bytes keep the GIL; longer ones let other threads run meanwhile."""
+_FEW_RUNS: Final = 8
+"""Up to this many runs, the iovecs are filled in Python (numpy's set-up costs more)."""
 _readv = _libc.process_vm_readv
 _readv.argtypes = _writev.argtypes
 _readv.restype = ctypes.c_ssize_t
@@ -96,6 +105,35 @@ def read_token(pid: int, address: int) -> bytes:
     return buffer.raw
 
 
+def _iovecs(
+    src: npt.NDArray[np.uint8], runs: Sequence[Run], base_addr: int
+) -> tuple[Any, Any, int, int]:
+    """The local and remote iovec arrays of ``runs`` (at most ``IOV_MAX``) from the 2-D region
+    ``src`` to the peer's region at ``base_addr``: ``(local, remote, count, bytes)``; the
+    arrays must stay referenced until the call that uses them returned."""
+    block_len = src.shape[1]
+    src_addr = src.__array_interface__["data"][0]
+    count = len(runs)
+    if count <= _FEW_RUNS:
+        local, remote = (_Iovec * count)(), (_Iovec * count)()
+        want = 0
+        for i, (src_block, dst_block, length) in enumerate(runs):
+            nbytes = length * block_len
+            local[i].base, local[i].len = src_addr + src_block * block_len, nbytes
+            remote[i].base, remote[i].len = base_addr + dst_block * block_len, nbytes
+            want += nbytes
+        return local, remote, count, want
+    table = np.array(runs, dtype=np.uint64).reshape(-1, 3)
+    lengths = table[:, 2] * np.uint64(block_len)
+    local_np = np.empty((count, 2), np.uint64)
+    remote_np = np.empty((count, 2), np.uint64)
+    local_np[:, 0] = np.uint64(src_addr) + table[:, 0] * np.uint64(block_len)
+    remote_np[:, 0] = np.uint64(base_addr) + table[:, 1] * np.uint64(block_len)
+    local_np[:, 1] = remote_np[:, 1] = lengths
+    pointer = ctypes.c_void_p
+    return local_np.ctypes.data_as(pointer), remote_np.ctypes.data_as(pointer), count, int(lengths.sum())
+
+
 class VmWriter:
     """Writes runs of our region into the region of ``num_blocks`` blocks of process ``pid``
     at ``base_addr``.
@@ -140,18 +178,10 @@ class VmWriter:
             raise
 
     def _write(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
-        block_len = src.shape[1]
-        table = np.array(runs, dtype=np.uint64).reshape(-1, 3)
-        lengths = table[:, 2] * np.uint64(block_len)
-        local = np.empty((len(table), 2), np.uint64)
-        remote = np.empty((len(table), 2), np.uint64)
-        local[:, 0] = np.uint64(src.__array_interface__["data"][0]) + table[:, 0] * np.uint64(block_len)
-        remote[:, 0] = np.uint64(self.base_addr) + table[:, 1] * np.uint64(block_len)
-        local[:, 1] = remote[:, 1] = lengths
-        for start in range(0, len(table), IOV_MAX):
-            count = min(IOV_MAX, len(table) - start)
-            want = int(lengths[start : start + count].sum())
-            got = _writev(self.pid, local[start:].ctypes.data, count, remote[start:].ctypes.data, count, 0)
+        for start in range(0, len(runs), IOV_MAX):
+            local, remote, count, want = _iovecs(src, runs[start : start + IOV_MAX], self.base_addr)
+            writev = _writev_holding_gil if want <= _SHORT_WRITE else _writev
+            got = writev(self.pid, local, count, remote, count, 0)
             if got < 0:
                 code = ctypes.get_errno()
                 raise OSError(code, f"process_vm_writev to {self.pid}: {os.strerror(code)}")
