@@ -217,7 +217,6 @@ class Agent(Startable):
         session = self._sessions.get(peer_id)
         if session is None or session.phase != "joined":
             return False
-        started(self._control, "agent")  # raises ClosedError once closed
         error = PeerLost(f"peer {peer_id!r} removed")
         self._leave(session, error, orderly=True, goodbye="removed")
         return True
@@ -341,7 +340,7 @@ class Agent(Startable):
                 log.info("peer %s %s", peer_id, why)
         self.transport.add_peer(conn.info, lane)
         self.control.install(conn)
-        session.info, session.connection, session.lane = conn.info, conn, lane
+        session.info, session.connection = conn.info, conn
         if session.phase == "admitting":
             self._session_event(session.move("joined"))
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from .errors import ConfigError
-from .wire import MAX_NOTICE_BYTES
+from .wire import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WRITE_BLOCKS, MAX_NOTICE_BYTES
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -82,9 +82,9 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """UCX_NET_DEVICES (e.g. ``lo`` for loopback tests); empty lets UCX choose."""
     max_peers: Positive = 64
     """Most peers joined or being admitted at once; handshakes beyond it are rejected."""
-    max_write_blocks: Positive = 1 << 20
+    max_write_blocks: Positive = DEFAULT_MAX_WRITE_BLOCKS
     """Most blocks one incoming write may name."""
-    max_message_bytes: Positive = 1 << 30
+    max_message_bytes: Positive = DEFAULT_MAX_MESSAGE_BYTES
     """Largest incoming chunk message (all frames together)."""
     max_notice_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_NOTICE_BYTES)] = MAX_NOTICE_BYTES
     """Largest notice an incoming write may carry (0: refuse notices; at most 4096)."""

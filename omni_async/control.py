@@ -172,8 +172,8 @@ class ControlPlane:
         if self._closed:
             return
         self._closed = True
-        for peer_id in list(self._peers):
-            await self._forget(peer_id, goodbye="closing")
+        for peer in list(self._peers.values()):
+            self.release(peer, "closing")
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -424,7 +424,7 @@ class ControlPlane:
                 if now - peer.last_seen > timeout:
                     self._lose(peer_id, PeerLost(f"peer {peer_id!r} silent for {timeout}s"))
                 else:
-                    await self._send(peer, _HEARTBEAT)
+                    self._send_nowait(peer, _HEARTBEAT)
 
     # -- peer table ------------------------------------------------------------------------------
     def _lose(self, peer_id: str, error: OmniAsyncError, *, orderly: bool = False) -> None:
@@ -434,18 +434,8 @@ class ControlPlane:
         log.log(logging.INFO if orderly else logging.WARNING, "lost peer %s: %s", peer_id, error)
         self._lost(peer_id, error, orderly)
 
-    async def _forget(self, peer_id: str, goodbye: str) -> None:
-        peer = self._peers.get(peer_id)
-        if peer is None:
-            return
-        await self._send(peer, encode_control(Bye(reason=goodbye)))
-        self._drop(peer_id)
-
-    async def _send(self, peer: ControlConnection, payload: bytes) -> None:
-        """Send without ever blocking: a message a dead or slow peer cannot take is dropped."""
-        self._send_nowait(peer, payload)
-
     def _send_nowait(self, peer: ControlConnection, payload: bytes) -> None:
+        """Send without ever blocking: a message a dead or slow peer cannot take is dropped."""
         if peer.dealer is not None:
             sent = _send_now(peer.dealer, payload)
         elif peer.ident is not None and self._router is not None:

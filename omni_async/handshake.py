@@ -140,8 +140,8 @@ def check_peer(local: LocalIdentity, remote: Hello) -> None:
         raise LayoutMismatch(
             f"{remote.peer_id!r} has {len(remote.layers) + 1} regions, this side {len(local.layers) + 1}"
         )
-    theirs = [remote.block_len, *(layer.block_len for layer in remote.layers)]
-    ours = [local.block_len, *(layer.block_len for layer in local.layers)]
+    theirs = (remote.block_len, *(layer.block_len for layer in remote.layers))
+    ours = local.block_lens
     for index, (their, our) in enumerate(zip(theirs, ours, strict=True)):
         if their != our:
             where = f" of region {index}" if len(ours) > 1 else ""

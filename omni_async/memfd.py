@@ -13,7 +13,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import re
 import secrets
 import weakref
 from typing import Final
@@ -22,7 +21,6 @@ import numpy as np
 import numpy.typing as npt
 
 NAME_PREFIX: Final = "omni-"
-TOKEN_RE: Final = re.compile(r"[0-9a-f]{32}")
 SIZE_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 

@@ -146,7 +146,7 @@ class RegionSet:
     it moves it in all of them.  A single :class:`BlockRegion` is the one-region case.
     """
 
-    __slots__ = ("regions",)
+    __slots__ = ("block_bytes", "block_lens", "regions")
 
     def __init__(self, regions: Sequence[BlockRegion]) -> None:
         if not regions:
@@ -157,6 +157,10 @@ class RegionSet:
         if len(counts) != 1:
             raise ConfigError(f"the regions of a set must share num_blocks, got {sorted(counts)}")
         self.regions: tuple[BlockRegion, ...] = tuple(regions)
+        self.block_lens: tuple[int, ...] = tuple(region.block_len for region in self.regions)
+        """Block length of each region, the first one first."""
+        self.block_bytes: int = sum(self.block_lens)
+        """Bytes one block index moves (its block in every region)."""
 
     @classmethod
     def allocate(cls, num_blocks: int, block_lens: Sequence[int]) -> RegionSet:
@@ -169,15 +173,6 @@ class RegionSet:
     @property
     def num_blocks(self) -> int:
         return self.regions[0].num_blocks
-
-    @property
-    def block_lens(self) -> tuple[int, ...]:
-        return tuple(region.block_len for region in self.regions)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes one block index moves (its block in every region)."""
-        return sum(self.block_lens)
 
     @property
     def arrays(self) -> list[npt.NDArray[np.uint8]]:

@@ -1,7 +1,7 @@
 """One :class:`PeerSession` per peer: the single record of where a peer stands, free of I/O.
 
 The :class:`~omni_async.agent.Agent` owns one session per peer id.  It holds the peer's joined
-control connection and its UCX lane (the control plane and the transport only index what a
+control connection (the control plane and the transport, which keeps the lane, only index what a
 session installed) and moves through :data:`Phase`: admitting → joined → leaving → gone, or
 straight to gone from admitting (no handshake joined) or joined (the peer restarted, or the
 agent closed); a gone session starts over as admitting while a handshake of the peer is in
@@ -22,7 +22,6 @@ from .handshake import Connection, PeerInfo
 
 if TYPE_CHECKING:
     from .control import ControlConnection
-    from .transport.lane import Lane
 
 Phase = Literal["admitting", "joined", "leaving", "gone"]
 """``admitting``: handshakes are in progress, none has joined yet; ``joined``: one connection
@@ -51,14 +50,14 @@ class SessionEvent:
 
 @dataclass(eq=False)
 class PeerSession:
-    """Where one peer stands.  ``connection`` and ``lane`` are set while joined or leaving."""
+    """Where one peer stands.  ``connection`` is set while joined or leaving (the transport
+    keeps the peer's lane)."""
 
     peer_id: str
     phase: Phase = "admitting"
     info: PeerInfo | None = None
     """What the joining handshake said about the peer."""
     connection: ControlConnection | None = None
-    lane: Lane | None = None
     pending: int = field(default=0)
     """Handshakes of this peer in progress (dialled or being admitted)."""
 
@@ -69,7 +68,7 @@ class PeerSession:
         event = SessionEvent(self.peer_id, self.phase, phase, error)
         self.phase = phase
         if phase == "gone":
-            self.connection = self.lane = None
+            self.connection = None
         return event
 
     def current(self) -> Connection | None:
