@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import PeerLost, ProtocolError
 from . import iov
-from .turns import NextTurn, spin
+from .turns import NextTurn, SpinGate
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ _MAX_PROGRESS = 64  # worker progress calls per round
 _MAX_ARRIVALS = 64  # messages taken per watch per round: a flooding peer cannot hold the loop
 _FULL_REAP_EVERY = 16  # wake-ups between scans of every pending request (the front is checked always)
 _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
-_SPIN_MISSES = 3  # fruitless spins in a row after which a lane stops spinning (retried every 64 wake-ups)
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 _CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
 _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the peer's close
@@ -128,7 +127,7 @@ class Lane:
         # One queued drive at a time, cleared only when it runs (not by the event fd's drives):
         # under load, the calls queued per loop iteration stay bounded.
         self._next_turn = NextTurn(loop)
-        self._spin_misses = 0
+        self._spin_gate = SpinGate()
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
@@ -266,11 +265,10 @@ class Lane:
                 return
             if more:
                 break  # arrivals left in UCX's queue: come back after the loop's other work
-            if self.expecting is not None and self._may_spin() and self._expects():
-                if spin(worker.progress_once, _SPIN):
-                    self._spin_misses = 0
-                    continue  # something moved while we waited briefly: handle it now
-                self._spin_misses += 1
+            # Spinning pays only when the peer answers within the window (another core); after
+            # a few misses (a peer on this thread, or a slow one) the gate spaces the tries out.
+            if self._expects() and self._spin_gate.may() and self._spin_gate.spin(worker.progress_once, _SPIN):
+                continue  # something moved while we waited briefly: handle it now
             if worker.arm():
                 return
         # UCX still has work (a large transfer, a flood of arrivals, or sends stuck towards a
@@ -289,11 +287,6 @@ class Lane:
         except Exception:  # guarded like every callback: the lane just does not spin
             log.exception("a callback of a lane failed: %r", self.expecting)
             return False
-
-    def _may_spin(self) -> bool:
-        """Spinning pays only when the peer answers within the window (another core); after a
-        few misses (a peer on this thread, or a slow one) the lane stops trying for a while."""
-        return self._spin_misses < _SPIN_MISSES or self.wakeups % 64 == 0
 
     on_stray: Arrival | None = None
     """Set by the owner: takes every message no watch matches (with :meth:`recv_arrived_many`),

@@ -64,7 +64,8 @@ class Inbox(Generic[T]):
         """A header announces ``messages`` payload messages from ``seq`` on, into ``nbytes`` of
         freshly allocated buffers: account them, or raise if that exceeds a bound."""
         early = self._early
-        pending = self.pending + sum(1 for i in range(seq, seq + messages) if i not in early)
+        fresh = sum(1 for i in range(seq, seq + messages) if i not in early) if early else messages
+        pending = self.pending + fresh
         if pending > self.max_pending or self.pending_bytes + nbytes > self.max_bytes:
             raise ProtocolError(
                 f"over the receive bounds: {pending} payload messages pending (at most {self.max_pending}), "

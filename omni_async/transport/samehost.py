@@ -40,7 +40,7 @@ from ..memfd import SharedSegment
 from ..wire import RingOffer
 from .ring import Consumer, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
-from .turns import NextTurn, spin
+from .turns import NextTurn, SpinGate
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,6 @@ KIND_MESSAGE: Final = 2
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping."""
-_SPIN_MISSES: Final = 3
-_SPIN_RETRY: Final = 64
-"""After ``_SPIN_MISSES`` fruitless speculative spins in a row, one is tried only every
-``_SPIN_RETRY``-th time it could be (the peer's pace may have changed)."""
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
@@ -90,8 +86,7 @@ class RingReceiver:
         self._closed = False
         self._next_turn = NextTurn(loop)
         self._active = False
-        self._misses = 0
-        self._skipped = 0
+        self._spin_gate = SpinGate()
         self._delivering = False
         self.turns = 0
         """Turns run so far (for idle-CPU tests)."""
@@ -140,12 +135,8 @@ class RingReceiver:
         consumer.awake()
         try:
             delivered = self._take_batch()
-            if not delivered and not self._closed and self._may_spin():
-                if spin(consumer.ready, SPIN):
-                    self._misses = 0
-                    delivered = self._take_batch()
-                else:
-                    self._misses += 1
+            if not delivered and not self._closed and self._may_spin() and self._spin_gate.spin(consumer.ready, SPIN):
+                delivered = self._take_batch()
             if self._closed:
                 return
             self._active = delivered > 0
@@ -195,21 +186,13 @@ class RingReceiver:
     def _may_spin(self) -> bool:
         """Spin while an answer is expected (the peer works for us: its answer is near), or,
         speculatively, when the peer just sent something, but that only while it pays (after
-        ``_SPIN_MISSES`` fruitless spins in a row: every ``_SPIN_RETRY``-th chance)."""
+        a few fruitless spins, see :class:`~.turns.SpinGate`)."""
         try:
             if self._expecting():
                 return True
         except Exception:
             log.exception("a ring's expecting callback failed")
-        if not self._active:
-            return False
-        if self._misses < _SPIN_MISSES:
-            return True
-        self._skipped += 1
-        if self._skipped < _SPIN_RETRY:
-            return False
-        self._skipped = 0
-        return True
+        return self._active and self._spin_gate.may()
 
     def close(self) -> None:
         """Stop reading, close the pipe and the memfd (the peer's mapping stays valid until it
@@ -242,8 +225,8 @@ class RingSender:
             raise
         self._mapping = mapping
         self.token = offer.token
-        self.pid = offer.pid
-        """The process that reads this ring (the peer)."""
+        self.in_this_process = offer.pid == os.getpid()
+        """The peer that reads this ring runs in this process (it cannot answer while we spin)."""
         self.producer = Producer(memoryview(mapping))
         """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
         self.max_payload = max_payload(capacity)

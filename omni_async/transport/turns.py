@@ -1,6 +1,7 @@
 """How the loop-driven parts of the data plane (a lane, a ring receiver) take turns on the
 event loop: :class:`NextTurn` queues one run of a callback per loop turn, :func:`spin` polls
-briefly for something that is about to happen instead of sleeping until a wake-up.  No I/O.
+briefly for something that is about to happen instead of sleeping until a wake-up, and a
+:class:`SpinGate` says whether a spin is still worth trying.  No I/O.
 """
 
 from __future__ import annotations
@@ -36,6 +37,36 @@ class NextTurn:
     def _run(self, callback: Callable[[], None]) -> None:
         self._queued = False
         callback()
+
+
+class SpinGate:
+    """Whether to spin: always while spins pay; after ``MISSES`` fruitless ones in a row, only
+    every ``RETRY``-th chance (the peer's pace may have changed).  Chances are counted, not
+    turns or wake-ups, so a steady rhythm of turns cannot keep the retry from ever coming."""
+
+    MISSES = 3
+    RETRY = 64
+    __slots__ = ("_misses", "_skipped")
+
+    def __init__(self) -> None:
+        self._misses = 0
+        self._skipped = 0
+
+    def may(self) -> bool:
+        """A chance to spin: whether to take it."""
+        if self._misses < self.MISSES:
+            return True
+        self._skipped += 1
+        if self._skipped < self.RETRY:
+            return False
+        self._skipped = 0
+        return True
+
+    def spin(self, poll: Callable[[], object], seconds: float) -> bool:
+        """:func:`spin`, counting the outcome."""
+        hit = spin(poll, seconds)
+        self._misses = 0 if hit else self._misses + 1
+        return hit
 
 
 def spin(poll: Callable[[], object], seconds: float) -> bool:

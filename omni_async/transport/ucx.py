@@ -33,7 +33,6 @@ import errno
 import inspect
 import itertools
 import logging
-import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -929,9 +928,8 @@ class UcxTransport:
         scratch) and is a violation."""
         if tag & KIND_MASK == DATA_KIND:
             self._data_arrived(link, tag, length, message)
-        elif tag == HEADER_TAG and length <= MAX_HEADER_BYTES:
-            buffer = np.empty(length, np.uint8)
-            link.lane.recv_arrived_many([buffer], message, partial(self._on_header, link, buffer))
+        elif tag == HEADER_TAG:
+            self._header_arrived(link, tag, length, message)
         else:
             link.lane.recv_arrived_many([link.scratch], message, _ignore)
             self._drop(link, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
@@ -981,10 +979,9 @@ class UcxTransport:
         self._HANDLERS[type(header)](self, link, header)
 
     def _on_goodbye(self, link: PeerLink, _goodbye: Goodbye) -> None:
-        """The peer leaves: what it put into the ring before comes first; a peer that leaves
-        first is removed (its lane drains) and the owner told."""
-        if link.ring_in is not None:
-            link.ring_in.drain()
+        """The peer leaves (what it put into the ring before was taken first, see
+        :func:`_follows_ring`); a peer that leaves first is removed (its lane drains) and the
+        owner told."""
         if link.drain.goodbye():
             gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
             self.remove_peer(link.peer.peer_id, gone, orderly=True)
@@ -1164,7 +1161,7 @@ class UcxTransport:
     ) -> None:
         link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
-        if error is not None or link.drain.leaving or self._links.get(link.peer.peer_id) is not link:
+        if error is not None or self._links.get(link.peer.peer_id) is not link:
             answer(error)  # a leaving or removed peer's messages are not delivered (nor acknowledged)
             return
         sink = self.message_sink
@@ -1180,9 +1177,9 @@ class UcxTransport:
             log.error("message sink failed on %r from %s", hdr.key, link.peer.peer_id, exc_info=exc)
             answer(TransferFailed(f"the receiver failed: {exc!r}"))
             return
-        if pending is None:
+        if pending is None or not inspect.isawaitable(pending):
             answer(None)
-        elif inspect.isawaitable(pending):
+        else:
             task = asyncio.ensure_future(pending)
             task.add_done_callback(partial(self._sink_done, answer))
 
@@ -1201,14 +1198,9 @@ class UcxTransport:
         """Acknowledge an incoming transfer, or report why it failed, unless the lane is gone."""
         if self._links.get(link.peer.peer_id) is not link:
             return
-        outcome = "ok" if error is None else getattr(error, "code", TransferFailed.code)
-        self.metrics.answered(kind, nbytes, outcome, link.peer.peer_id)
-        if error is None:
-            ack = Ack(transfer_id)
-        elif isinstance(error, OmniAsyncError):
-            ack = Ack(transfer_id, error.code, str(error)[:1000])
-        else:
-            ack = Ack(transfer_id, TransferFailed.code, f"receive failed: {error}"[:1000])
+        failed = None if error is None else sink_error(error)
+        self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
+        ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, str(failed)[:1000])
         self._send_header(link, ack, _ignore)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -1276,13 +1268,16 @@ def _awaits_answer(link: PeerLink) -> bool:
     awaits its acknowledgement and the peer runs in another process (one in this process
     cannot answer while we spin: a spin there only delays it)."""
     ring = link.ring_out
-    return bool(link.sent) and ring is not None and ring.pid != os.getpid()
+    return bool(link.sent) and ring is not None and not ring.in_this_process
 
 
 def _follows_ring(header: DataHeader) -> bool:
     """Whether a header that came over UCX may refer to records the peer put into its ring
-    before it (intents): a commit, an abort, or a write with a notice (write order)."""
-    return isinstance(header, Commit | Abort) or (isinstance(header, WriteRequest) and header.notice is not None)
+    before it: a commit, an abort, a write with a notice (write order), a goodbye (what the peer
+    put into the ring before it left comes first)."""
+    return isinstance(header, Commit | Abort | Goodbye) or (
+        isinstance(header, WriteRequest) and header.notice is not None
+    )
 
 
 def _nothing() -> None:

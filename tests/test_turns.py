@@ -1,0 +1,18 @@
+"""The turn helpers without a loop: a spin gate counts chances, so its retries always come."""
+
+from omni_async.transport.turns import SpinGate
+
+
+def test_spin_gate_retries_every_retry_th_chance_after_misses_and_reopens_on_a_hit():
+    gate = SpinGate()
+    for _ in range(SpinGate.MISSES):
+        assert gate.may()
+        assert gate.spin(lambda: False, 0.0) is False
+    tries = [gate.may() for _ in range(3 * SpinGate.RETRY)]
+    # Whatever rhythm the caller's turns have, every RETRY-th chance tries (a retry keyed to a
+    # turn counter could be missed for ever by a steady two-turn rhythm).
+    assert [i for i, taken in enumerate(tries) if taken] == [
+        SpinGate.RETRY - 1, 2 * SpinGate.RETRY - 1, 3 * SpinGate.RETRY - 1
+    ]
+    assert gate.spin(lambda: True, 0.001) is True
+    assert all(gate.may() for _ in range(SpinGate.RETRY))
