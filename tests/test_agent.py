@@ -223,6 +223,16 @@ async def test_messages_round_trip(make_agent):
     assert got == [("a", "r1:0:0", b"hdr", [payload.tobytes(), b"", b"tail"])]
 
 
+async def test_a_sink_that_returns_a_plain_value_acknowledges_at_once(make_agent):
+    """A sink's result that is neither None nor awaitable (here: True) counts as handled: the
+    message is acknowledged, not left for the sender's deadline."""
+    a, b = await pair(make_agent, transfer_timeout=30.0)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(key) or True)
+    await asyncio.wait_for(a.send_message("b", "plain", b"", [b"x"]), 5)
+    assert got == ["plain"]
+
+
 async def test_close_is_idempotent_and_fails_in_flight(make_agent):
     a, b = await pair(make_agent)
     never = asyncio.get_running_loop().create_future()
