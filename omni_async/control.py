@@ -310,6 +310,9 @@ class ControlPlane:
             # Handshakes in progress count against max_peers, so a flood cannot overshoot it.
             # One more hello for a peer being admitted waits for that handshake (which may be an
             # abandoned one whose Bye is on its way); any further one is refused.
+            if ident in self._handshakes:  # its tables are keyed by connection: one at a time
+                self._bad_input(ident, ProtocolError("a second hello during this connection's handshake"))
+                return
             running = self._admitting.get(msg.peer_id)
             error = hello_refusal(
                 msg.peer_id,

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from omni_async.transport.lane import load_ucxx, new_context
-from omni_async.wire import MAX_CONTROL_BYTES, Heartbeat, Hello, Reject, Welcome, decode_control, encode_control
+from omni_async.wire import MAX_CONTROL_BYTES, Bye, Heartbeat, Hello, Reject, Welcome, decode_control, encode_control
 
 from .helpers.procfs import fd_targets
 
@@ -117,6 +117,32 @@ async def test_malformed_agent_metadata_is_refused_without_crashing(make_agent):
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_second_hello_on_one_connection_is_refused_and_leaks_no_slot(make_agent):
+    """Two hellos back to back on one connection: the second is bad input (ignored, counted),
+    the first is admitted; once that peer leaves, its slot is free again (the second hello used
+    to overwrite the first's bookkeeping, leaving a stale admission that held a slot)."""
+    b = await make_agent(peer_id="b", max_peers=1)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(b.control_address)
+        first = hello("twice", real_address())
+        await sock.send(encode_control(first))
+        await sock.send(encode_control(first))
+        assert isinstance(await asyncio.wait_for(answer(sock), 10), Welcome)
+        assert b.control.stats.protocol_errors == 1
+        await sock.send(encode_control(Bye(reason="done")))
+        async with asyncio.timeout(5):
+            while "twice" in b.peers:
+                await asyncio.sleep(0.01)
+    finally:
+        sock.close(0)
+        ctx.term()
+    a = await make_agent(peer_id="a")
+    assert await asyncio.wait_for(a.connect(b.control_address), 10) == "b"
 
 
 async def test_handshake_flood_is_bounded(make_agent):
