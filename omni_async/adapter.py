@@ -190,6 +190,7 @@ class TransferAdapter:
             future.set_result(None)
         else:
             future.set_exception(error)
+            future.exception()  # logged here: a failed save nobody awaits is not reported again
             log.warning("chunk save failed: %s", error)
 
     # -- loading ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Chunk streams between two services over real UCX lanes and ZeroMQ, in one process."""
 
 import asyncio
+import gc
 import time
 
 import numpy as np
@@ -251,6 +252,27 @@ async def test_a_chunk_the_codec_cannot_carry_fails_only_its_own_save(make_servi
     assert [c.data["i"] for c in got] == [0, 1, 2]
     with pytest.raises(TypeError):  # and again, on a live loop
         await asyncio.wait_for(sender.save("big2", {"x": [-(2**64)]}), 5)
+
+
+async def test_a_failed_save_nobody_awaits_is_logged_once_not_left_unretrieved(make_service, caplog):
+    """save_async's failure is logged by the adapter; a future nobody awaits must not also end
+    as asyncio's "Future exception was never retrieved" when it is collected."""
+    _, _, sender, _ = await linked(make_service)
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    try:
+        bad = sender.save_async("big", {"x": 2**70})
+        async with asyncio.timeout(5):
+            while not bad.done():
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(sender.save("ok", {"i": 0}), 5)  # the save loop lets go of the failed one
+        del bad
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert reported == []
+    assert "chunk save failed" in caplog.text
 
 
 class _BreakableWindow(asyncio.Semaphore):
