@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from omni_async import DeadlineExceeded
+from omni_async import DeadlineExceeded, OmniAsyncError
 from omni_async.transport.ucx import DRAIN_TIMEOUT
 from omni_async.wire import HEADER_TAG, MessageHeader, encode_header
 from tests.helpers.rogue import Rogue
@@ -83,3 +83,17 @@ async def test_a_drain_that_waits_does_not_poll(make_agent, monkeypatch):
         assert released - start >= DRAIN_TIMEOUT - 0.05
         assert len(short) < 10, f"{len(short)} short timers while draining: {short[:5]}"
         await asyncio.wait_for(link.lane.wait_closed(), 10)
+
+
+async def test_a_removed_peer_whose_lane_drains_writes_no_row(make_agent):
+    """Between this side's removal of a peer and the end of the lane's drain, a write the peer
+    had already sent is taken into scratch, not into our rows (its notice book is gone: rows
+    written then would change unannounced)."""
+    a, b = await pair(make_agent, same_host_lane=False)
+    a.region.array[:4] = 7
+    assert b.transport.remove_peer("a", orderly=True)
+    late = a.write_blocks("b", [0, 1, 2, 3], [0, 1, 2, 3])  # a has not seen b's Goodbye yet
+    with pytest.raises(OmniAsyncError):
+        await asyncio.wait_for(late, 5)
+    await asyncio.sleep(0.2)  # anything still in flight lands meanwhile
+    assert not b.region.array[:4].any()

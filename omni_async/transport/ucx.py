@@ -1004,7 +1004,12 @@ class UcxTransport:
 
     def _on_write(self, link: PeerLink, req: WriteRequest) -> None:
         """A block write: each run's rows of every region of the set, run by run (gathered:
-        one payload message; else one per run and region, in that order)."""
+        one payload message; else one per run and region, in that order).  From a removed peer
+        whose lane still drains, a payload is taken into scratch: no row is written (a placed
+        write's rows the peer wrote itself: it is still recorded, for its failed notice)."""
+        if not req.placed and self._links.get(link.peer.peer_id) is not link:
+            self._drain(link, req, InvalidBlocks("the peer was removed"), _ignore)
+            return
         messages = 1 if req.gathered else len(req.runs) * len(self._arrays)
         try:
             blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
