@@ -187,6 +187,12 @@ class Outbox(Generic[T]):
                 settled, error = True, out.error
         return settled, error, self._pump()
 
+    def withdraw(self, transfer_id: int) -> list[T]:
+        """A request of ``transfer_id`` counted in the window was never sent (its transfer
+        settled while it waited): free its share; returns the posts that may go now."""
+        self.window.release(transfer_id)
+        return self._pump()
+
     def posted(self, transfer_id: int) -> bool:
         """True if some request of the transfer left this side (a ``"wait"`` cancel drains)."""
         out = self._out.get(transfer_id)

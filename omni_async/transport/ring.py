@@ -74,7 +74,7 @@ class _Ring:
     """One side's views of a ring: ``buffer`` (all of it, counters and records: the bytes both
     sides share), ``data`` (the records part) and its ``capacity``."""
 
-    __slots__ = ("_ctl", "buffer", "capacity", "data")
+    __slots__ = ("_ctl", "buffer", "capacity", "data", "max_payload")
 
     def __init__(self, buffer: memoryview) -> None:
         buf = buffer.cast("B") if buffer.format != "B" else buffer
@@ -84,6 +84,7 @@ class _Ring:
         self.buffer = buf
         self._ctl = buf[:HEADER_BYTES].cast("Q")
         self.capacity = capacity
+        self.max_payload = max_payload(capacity)
         self.data = buf[HEADER_BYTES:]
 
     def release(self) -> None:
@@ -114,8 +115,8 @@ class Producer(_Ring):
         room now (nothing written).  Raises :class:`ValueError` for a payload over
         :func:`max_payload`, :class:`RingError` if the consumer corrupted its tail."""
         length = sum(len(part) for part in parts)
-        if length > max_payload(self.capacity):
-            raise ValueError(f"a record of {length} bytes exceeds the ring's {max_payload(self.capacity)}")
+        if length > self.max_payload:
+            raise ValueError(f"a record of {length} bytes exceeds the ring's {self.max_payload}")
         capacity = self.capacity
         head = self._head
         used = head - int(self._ctl[_TAIL])
@@ -186,7 +187,7 @@ class Consumer(_Ring):
                 self._cursor = cursor + to_end
                 continue
             need = _padded(length)
-            if length > max_payload(capacity) or need > to_end or need > available:
+            if length > self.max_payload or need > to_end or need > available:
                 raise RingError(f"a record of {length} bytes at {pos} leaves the ring or the produced bytes")
             self._cursor = cursor + need
             start = pos + _FRAME.size

@@ -111,7 +111,10 @@ class MappedRegion:
         are already bounded by both layouts."""
         src = self.rows
         for local, remote, length in runs:
-            dst[local : local + length] = src[remote : remote + length]
+            if length == 1:  # as in place(): a row by index
+                dst[local] = src[remote]
+            else:
+                dst[local : local + length] = src[remote : remote + length]
 
     def close(self) -> None:
         self._rows = None

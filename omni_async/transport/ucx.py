@@ -617,7 +617,7 @@ class UcxTransport:
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
-        rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs for array in self._arrays]
+        rows = self._rows([(run.local, run.length) for run in runs])
         if gather:
             lane.send_many(rows, data_tag(seq), on_sent)  # one message, gathered from the rows
         else:
@@ -694,7 +694,7 @@ class UcxTransport:
             if transfer_id in link.sent:
                 post()
             else:  # settled while it waited: never sent, so never answered; free its share
-                _carry_out(link.outbox.answered(transfer_id, "", "")[2])
+                _carry_out(link.outbox.withdraw(transfer_id))
 
     @staticmethod
     def _count_noticed(link: PeerLink, transfer_id: int, *, lane: bool) -> None:
@@ -781,7 +781,7 @@ class UcxTransport:
             transfer_id = message[0]
             if transfer_id not in link.sent:  # settled while it waited: never sent, so no Ack
                 parked.popleft()  # will free its window share: release it here
-                _carry_out(link.outbox.answered(transfer_id, "", "")[2])
+                _carry_out(link.outbox.withdraw(transfer_id))
                 continue
             outcome = self._ring_message(link, message) if link.ring_out is not None else "lane"
             if outcome == "full" and self._may_park(link, len(parked)):
@@ -1037,7 +1037,7 @@ class UcxTransport:
             return
         if not self._admit(link, req.seq, messages, 0):
             return
-        rows = [array[start : start + count].reshape(-1) for start, count in req.runs for array in self._arrays]
+        rows = self._rows(req.runs)
         if req.gathered:
             self._expect(link, req.seq, rows, finish)  # scattered straight into the region rows
         else:
@@ -1045,6 +1045,11 @@ class UcxTransport:
             for i, row in enumerate(rows):
                 if not self._expect(link, req.seq + i, [row], parts.done):
                     return
+
+    def _rows(self, runs: Sequence[tuple[int, int]]) -> list[npt.NDArray[np.uint8]]:
+        """The flat rows of ``(start, count)`` runs in every region of the set, run by run: the
+        order of a write's payload messages (or of its gathered one)."""
+        return [array[start : start + count].reshape(-1) for start, count in runs for array in self._arrays]
 
     def _intend(self, link: PeerLink, req: WriteRequest, answer: Completion, refusal: InvalidBlocks | None) -> None:
         """An intent: the sender copies its rows now; it is answered (``refusal``, or done)

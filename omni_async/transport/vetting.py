@@ -116,8 +116,9 @@ class AddressVetter:
             log.warning("address vetting child did not start: %r", exc)
 
     def close(self) -> None:
-        """Stop the zygote and the idle servers (busy ones stop after their check).  Idempotent;
-        a later check starts them again."""
+        """Stop the zygote and the idle servers (one busy with a check returns to the pool when
+        the check ends, and is stopped by the next close).  Idempotent; a later check starts
+        them again."""
         with self._lock:
             idle, self._idle = self._idle, []
             self._checks.clear()
