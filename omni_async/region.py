@@ -126,6 +126,13 @@ class BlockRegion:
             self._file = SharedFile.find(self.base_addr, self.nbytes)
         return self._file if isinstance(self._file, SharedFile) else None
 
+    def release_shared_file(self) -> None:
+        """Close the descriptor :meth:`shared_file` opened, if it did (peers' mappings stay
+        valid; a later :meth:`shared_file` looks the file up again).  Idempotent."""
+        if isinstance(self._file, SharedFile):
+            self._file.close()
+            self._file = False
+
     @property
     def num_blocks(self) -> int:
         return int(self._array.shape[0])
