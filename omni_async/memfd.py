@@ -83,18 +83,25 @@ class SharedFile:
     bytes into it.  Every page of the buffer's range is allocated at once
     (``posix_fallocate``), so a peer's write can never meet a full tmpfs (SIGBUS).  Unlike a
     :class:`SharedSegment`, the file is not sealed: its owner could shrink it, which is why a
-    peer checks its size before each copy (see :mod:`omni_async.transport.shared`).  The
-    descriptor stays open (close-on-exec) until :meth:`close` or garbage collection; nothing
-    is created or named anywhere.
+    peer checks its size before each copy (see :mod:`omni_async.transport.shared`).
+
+    A file's name proves nothing about who offers it, so next to it an empty memfd named by a
+    random ``token`` (:func:`link_name`) stays open as ``proof_fd``: a peer that finds that
+    name at ``/proc/<pid>/fd/<proof_fd>`` knows ``pid`` offered the file, not a process the
+    other side named (reading another process's descriptors needs the same access as opening
+    them).  Both descriptors stay open (close-on-exec) until :meth:`close` or garbage
+    collection; nothing is named in the file system.
     """
 
-    __slots__ = ("__weakref__", "_closer", "fd", "inode", "offset")
+    __slots__ = ("__weakref__", "_closer", "fd", "inode", "offset", "proof_fd", "token")
 
     def __init__(self, fd: int, inode: int, offset: int) -> None:
+        self.token = secrets.token_hex(16)
+        self.proof_fd = os.memfd_create(NAME_PREFIX + self.token, os.MFD_CLOEXEC)
         self.fd = fd
         self.inode = inode
         self.offset = offset
-        self._closer = weakref.finalize(self, os.close, fd)
+        self._closer = weakref.finalize(self, _close_both, fd, self.proof_fd)
 
     @classmethod
     def find(cls, address: int, size: int) -> SharedFile | None:
@@ -116,11 +123,11 @@ class SharedFile:
             if not stat.S_ISREG(info.st_mode) or fs_type(fd) != TMPFS_MAGIC or info.st_size < offset + size:
                 raise OSError(f"{path!r} is not a regular tmpfs file covering the region")
             os.posix_fallocate(fd, offset, size)
+            return cls(fd, inode, offset)
         except OSError as exc:
             os.close(fd)
             log.info("no shared file for the region at %#x: %s", address, exc)
             return None
-        return cls(fd, inode, offset)
 
     @property
     def shareable(self) -> bool:
@@ -130,6 +137,11 @@ class SharedFile:
     def close(self) -> None:
         """Close the descriptor (mappings, ours and peers', stay valid).  Idempotent."""
         self._closer()
+
+
+def _close_both(fd: int, proof_fd: int) -> None:
+    os.close(fd)
+    os.close(proof_fd)
 
 
 def _mapping_of(address: int, size: int) -> tuple[int, int, int, int, str] | None:

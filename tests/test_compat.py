@@ -532,7 +532,8 @@ def test_a_peer_whose_view_maps_a_dev_shm_file_is_written_through_a_mapping(make
 
 def test_a_transport_over_a_dev_shm_file_offers_it_and_lets_go_of_it_on_close():
     """Our view maps a /dev/shm file: the transport holds a descriptor of it (peers map it
-    through that) while open, and none once closed, even while the object is still referenced."""
+    through that) and of the memfd that proves the offer while open, and neither once closed,
+    even while the object is still referenced."""
     path = f"/dev/shm/omni-test-compat-{os.getpid()}-{time.monotonic_ns()}"
     with open(path, "wb") as f:
         f.truncate(NUM_BLOCKS * BLOCK_LEN)
@@ -544,9 +545,11 @@ def test_a_transport_over_a_dev_shm_file_offers_it_and_lets_go_of_it_on_close():
             assert len(fds_to(path)) == len(mapping_fds) + 1
             share = t.agent.identity.region_share
             assert share is not None and share.inode == os.stat(path).st_ino
+            proof = f"/memfd:omni-{share.token} (deleted)"  # the memfd that proves the offer is ours
+            assert len(fds_to(proof)) == 1
         finally:
             t.close()
-        assert fds_to(path) == mapping_fds
+        assert fds_to(path) == mapping_fds and fds_to(proof) == []
         t.close()
     finally:
         os.unlink(path)

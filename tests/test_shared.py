@@ -203,7 +203,7 @@ def test_region_share_is_validated_on_the_wire():
     good = RegionShare(pid=5, fd=3, token="a" * 32)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(good), type=RegionShare) == good
     for bad in ([5, 3, "../../x"], [0, 3, ""], [5, -2, ""], [5, 3, "A" * 32, 1], [5, -1, "", -1], [5, 3, "", 0, -1],
-                [5, 3, "", 0, 1, -1], [5, 3, "", 0, 1, 0, 1]):
+                [5, 3, "", 0, 1, -1], [5, 3, "", 0, 1, 0, -2], [5, 3, "", 0, 1, 0, 4, 1]):
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=RegionShare)
     from omni_async.handshake import LocalIdentity

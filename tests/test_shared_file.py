@@ -64,8 +64,9 @@ def test_a_wrapped_shared_tmpfs_mapping_is_offered_and_mapped_by_inode(shm_path,
     rows = memmap(path, offset=3 * 4096)  # the region starts 3 pages into the file
     region = BlockRegion.wrap(rows)  # its descriptor of the file lives as long as it does
     offer = advertise(region)
-    assert offer is not None and offer.fd >= 0 and offer.token == ""
+    assert offer is not None and offer.fd >= 0 and offer.proof_fd >= 0
     assert offer.inode == os.stat(path).st_ino and offer.offset == 3 * 4096
+    assert os.readlink(f"/proc/self/fd/{offer.proof_fd}") == f"/memfd:omni-{offer.token} (deleted)"
     writer = open_writer(peer_info(offer), "h")
     assert writer is not None and writer.kind == "file"
     src = np.arange(4 * 4096, dtype=np.uint64).astype(np.uint8).reshape(4, 4096)
@@ -111,7 +112,7 @@ def test_an_offered_file_is_allocated_and_its_descriptor_lives_with_the_region(s
     assert BlockRegion.allocate(4, 4096).shared_file() is None  # an allocated one offers its memfd
 
 
-@pytest.mark.parametrize("case", ["inode", "size", "pid", "fd", "disk"])
+@pytest.mark.parametrize("case", ["inode", "size", "pid", "fd", "disk", "token", "proof_fd", "no_proof"])
 def test_mapping_a_file_refuses_anything_but_the_advertised_tmpfs_file(case, shm_path, tmp_path):
     path = shm_path(4 * 4096)
     region = BlockRegion.wrap(memmap(path))
@@ -130,6 +131,12 @@ def test_mapping_a_file_refuses_anything_but_the_advertised_tmpfs_file(case, shm
         os.ftruncate(fd, 4 * 4096)
         extra.append(fd)
         offer = msgspec.structs.replace(offer, fd=fd, inode=os.fstat(fd).st_ino)
+    elif case == "token":
+        offer = msgspec.structs.replace(offer, token="0" * 32)
+    elif case == "proof_fd":  # a descriptor that is not the proof memfd (the file itself)
+        offer = msgspec.structs.replace(offer, proof_fd=offer.fd)
+    elif case == "no_proof":
+        offer = msgspec.structs.replace(offer, token="", proof_fd=-1)
     mappings = len(held(path))
     try:
         with pytest.raises(Refused):
@@ -139,6 +146,31 @@ def test_mapping_a_file_refuses_anything_but_the_advertised_tmpfs_file(case, shm
     finally:
         for fd in extra:
             os.close(fd)
+
+
+def test_a_peer_cannot_point_our_writes_at_another_processs_file(shm_path):
+    """Another process maps a /dev/shm file; a peer names that process's pid and descriptor
+    (with the right inode, and its own valid proof): refused, since the proof memfd is not in
+    that process, and nothing is written into the file."""
+    import subprocess
+    import sys
+
+    path = shm_path(4 * 4096)
+    code = ("import mmap, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); m = mmap.mmap(fd, 4 * 4096); "
+            "print(fd, flush=True); sys.stdin.read()")
+    other = subprocess.Popen([sys.executable, "-c", code, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        their_fd = int(other.stdout.readline())
+        region = BlockRegion.wrap(memmap(shm_path(4 * 4096)))
+        ours = advertise(region)  # a valid proof, of this process
+        forged = msgspec.structs.replace(ours, pid=other.pid, fd=their_fd, inode=os.stat(path).st_ino, offset=0)
+        with pytest.raises(Refused):
+            MappedFile(forged, 4, 4096)
+        assert open_writer(peer_info(forged), "h") is None
+        assert not memmap(path, mode="r").any()
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_file_that_shrinks_under_the_mapping_fails_the_write_instead_of_killing_us(shm_path):

@@ -15,8 +15,11 @@ Between two processes on one host, UCX's shared-memory rendezvous copies every b
 * into the peer's region mapped into this process (:class:`MappedFile`), when the peer's
   region is a caller's buffer that is itself a shared mapping of a tmpfs file (a file in
   ``/dev/shm``, a memfd: :class:`~omni_async.memfd.SharedFile`).  The peer advertises
-  ``(pid, fd, inode, offset)``; we open ``/proc/<pid>/fd/<fd>``, check it is a regular tmpfs
-  file with that inode holding the region's bytes at ``offset``, and map that range.  Such a
+  ``(pid, fd, inode, offset, token, proof_fd)``; we check that ``/proc/<pid>/fd/<proof_fd>``
+  is the empty memfd named by the token (proof that ``pid`` is the peer: a file's own name
+  proves nothing, and the peer could otherwise point our writes at a file of a process it
+  cannot write itself), open ``/proc/<pid>/fd/<fd>``, check it is a regular tmpfs file with
+  that inode holding the region's bytes at ``offset``, and map that range.  Such a
   file is not sealed, so its owner could shrink it under our mapping: the writer keeps its
   descriptor and checks the size before each copy (see the trust model);
 * else with ``process_vm_writev`` into the peer's region at its ``base_addr``
@@ -147,6 +150,9 @@ class MappedFile(MappedRegion):
         """Open, check and map the file the peer advertised; raise :class:`Refused`."""
         self.num_blocks = num_blocks
         self._end = share.offset + num_blocks * block_len
+        if share.proof_fd < 0 or not share.token:
+            raise Refused("the peer offered a file without proof that it is the peer's")
+        _check_link(f"/proc/{share.pid}/fd/{share.proof_fd}", link_name(share.token))
         self._fd = open_tmpfs_file(share.pid, share.fd, share.inode, self._end)
         try:
             start = share.offset - share.offset % mmap.ALLOCATIONGRANULARITY
@@ -266,7 +272,8 @@ def advertise(region: BlockRegion) -> RegionShare | None:
         return RegionShare(pid=os.getpid(), fd=segment.fd, token=segment.token)
     file = region.shared_file()
     if file is not None and file.shareable:
-        return RegionShare(pid=os.getpid(), fd=file.fd, inode=file.inode, offset=file.offset)
+        return RegionShare(pid=os.getpid(), fd=file.fd, token=file.token, inode=file.inode, offset=file.offset,
+                           proof_fd=file.proof_fd)
     if not permit_writers():
         return None
     token, address = proof()
