@@ -76,6 +76,17 @@ def test_a_wrapped_shared_tmpfs_mapping_is_offered_and_mapped_by_inode(shm_path,
     writer.close()
     writer.close()
 
+    # a region that starts inside a page of the file
+    odd = memmap(path, offset=100)
+    odd_region = BlockRegion.wrap(odd)
+    odd_offer = advertise(odd_region)
+    assert odd_offer is not None and odd_offer.offset == 100
+    writer = open_writer(peer_info(odd_offer), "h")
+    assert writer is not None and writer.kind == "file"
+    writer.place(src, [Run(1, 0, 1)])
+    assert np.array_equal(odd[0], src[1])
+    writer.close()
+
     # a memfd the caller made and mapped itself
     fd = os.memfd_create("caller", os.MFD_CLOEXEC)
     os.ftruncate(fd, 4 * 4096)
