@@ -187,6 +187,26 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert b.transport.links["a"].ring_in.wakeups > 0
 
 
+async def test_acks_of_one_ring_batch_travel_together(make_agent):
+    """Chunk messages taken in one ring batch are acknowledged with one record per
+    ``ACK_BATCH`` of them (an ``Acks``), not one ``Ack`` record each; every transfer settles."""
+    from omni_async.transport.ucx import ACK_BATCH
+
+    a, b = await pair(make_agent)
+    b.set_message_sink(lambda *_message: None)
+    answers = b.transport.links["a"].ring_out.producer  # where b's acknowledgements go
+    await asyncio.wait_for(a.send_message("b", "warm", b"", [np.ones(8, np.uint8)]), 5)
+    one_ack = answers.head
+    await asyncio.wait_for(a.send_message("b", "single", b"", [np.ones(8, np.uint8)]), 5)
+    one_ack = answers.head - one_ack  # bytes of the record that acknowledges one message
+    count = 4 * ACK_BATCH
+    before = answers.head
+    transfers = [a.send_message("b", f"k{i}", b"", [np.ones(8, np.uint8)]) for i in range(count)]  # one batch
+    await asyncio.wait_for(asyncio.gather(*transfers), 5)
+    assert all(t.done() and t.error() is None for t in transfers)
+    assert answers.head - before <= count // ACK_BATCH * 4 * one_ack < count * one_ack
+
+
 async def test_ring_message_frames_are_one_aligned_copy(make_agent):
     """A chunk message out of the ring: the frames the sink gets are copied once into one
     allocation (not one array per frame), each frame 64-byte aligned within it whatever the
