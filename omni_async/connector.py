@@ -15,6 +15,11 @@ the ``put`` fails with ``DeadlineExceeded``).  As many bytes again may wait held
 decode fails the sender's ``put`` and the local ``get`` of that key with
 :class:`~omni_async.errors.ProtocolError`.
 
+Payload arrays are the receiver's to keep: large ones from a peer on this host are views of
+the agent's receive pool (:mod:`omni_async.transport.pool`), whose memory is reused only once
+the last reference to them is dropped; a reader that keeps them makes later payloads arrive
+in fresh arrays instead, it never holds up a sender.
+
 Keys belong to their sender: a ``get``/``wait_for`` naming ``source`` is given only that
 peer's payload; another peer's payload for the key is refused
 (:class:`~omni_async.errors.TransferRefused` to its sender), or, if it was acknowledged before

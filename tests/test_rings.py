@@ -227,6 +227,28 @@ async def test_ring_message_frames_are_one_aligned_copy(make_agent):
     assert bytes(frames[3]) == bytes(sent[3])  # the ring's later records did not change them
 
 
+async def test_large_ring_messages_land_in_the_receive_pool_and_a_hoarder_gets_copies(make_agent):
+    """Frames of large ring messages are views of the receive pool, reused once the sink's
+    arrays are dropped; a sink that keeps every frame forever fills the pool, and then gets
+    fresh copies: nothing waits for it, every message arrives intact and is acknowledged."""
+    from omni_async.transport.ucx import POOL_MIN, RECEIVE_POOL_BYTES
+
+    a, b = await pair(make_agent, max_message_bytes=1 << 30)
+    kept = []
+    b.set_message_sink(lambda peer, key, meta, frames: kept.append(frames))
+    size = max(POOL_MIN, 1 << 20)
+    await asyncio.wait_for(a.send_message("b", "k", b"", [np.full(size, 1, np.uint8)]), 5)
+    pool = b.transport.receive_pool
+    assert pool is not None and pool.taken == 1 and pool.in_use >= size
+    kept.clear()
+    assert pool.in_use == 0  # dropped: back in the pool
+    count = RECEIVE_POOL_BYTES // size + 8  # more than the pool holds, all kept by the sink
+    transfers = [a.send_message("b", f"k{i}", b"", [np.full(size, i % 251, np.uint8)]) for i in range(count)]
+    await asyncio.wait_for(asyncio.gather(*transfers), 30)
+    assert len(kept) == count and all((frames[0] == i % 251).all() for i, frames in enumerate(kept))
+    assert pool.fallbacks >= 8 and pool.in_use <= pool.capacity
+
+
 async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     """After traffic, each ring spins at most once more, then sleeps until a record comes."""
     a, b = await pair(make_agent)

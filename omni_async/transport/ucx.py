@@ -89,6 +89,7 @@ from ..wire import (
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
+from .pool import ReceivePool
 from .protocol import Deadlines, Drain, GiveUp, Inbox, Outbox
 from .ring import RingError
 from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
@@ -107,7 +108,9 @@ Frames = list[npt.NDArray[np.uint8]]
 _Message = tuple[int, str, bytes, list[int], Frames]
 """A chunk message to post: ``(transfer_id, key, meta, frame sizes, non-empty frames)``."""
 MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
-"""``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink.
+"""``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink
+(large ones from a same-host ring are views of the receive pool, :mod:`.pool`: their memory
+goes back to it when the last reference to them is dropped; nothing else releases it).
 
 The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
 if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
@@ -119,6 +122,11 @@ broken lane, or the peer's Goodbye); the owner forgets it too."""
 
 _U8 = np.dtype(np.uint8)
 _FRAME_ALIGN = 64
+POOL_MIN = 64 * 1024
+"""Ring messages with at least this many frame bytes are copied into the receive pool (below
+it a fresh array costs less than the pool's bookkeeping)."""
+RECEIVE_POOL_BYTES = 64 << 20
+"""Size of the receive pool (one per transport, made when first needed)."""
 ACK_BATCH = 16
 """Most acknowledgements held back while a ring batch is being taken: enough to spare most
 records and wake-up checks, few enough that the sender's window keeps moving."""
@@ -264,6 +272,13 @@ class UcxTransport:
         self._closing: set[Lane] = set()
         self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._pool: ReceivePool | None = None
+
+    @property
+    def receive_pool(self) -> ReceivePool | None:
+        """Where large chunk messages from same-host rings are copied (see :mod:`.pool`);
+        None until the first one came."""
+        return self._pool
 
     # -- peers -----------------------------------------------------------------------------
     async def warm_up(self) -> None:
@@ -1165,14 +1180,23 @@ class UcxTransport:
         (the record is valid only during this call) and deliver.  Raises ProtocolError.
 
         One allocation for all the frames, each copied once into its own 64-byte aligned
-        slice of it (a sink that keeps one frame keeps the message's bytes alive)."""
+        slice of it (a sink that keeps one frame keeps the message's bytes alive): from the
+        receive pool for messages of ``POOL_MIN`` bytes or more (memory that stays mapped,
+        reused once the frames are dropped), else a fresh array."""
         nbytes = validate_message(hdr, self.config.max_message_bytes)
         offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
         if offset + nbytes != len(record):
             raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
         link.inbox.admit(hdr.seq, 0, nbytes)
         slots = [-(-size // _FRAME_ALIGN) * _FRAME_ALIGN for size in hdr.frames]
-        body = np.empty(sum(slots), np.uint8)
+        total = sum(slots)
+        body = None
+        if nbytes >= POOL_MIN:
+            if self._pool is None:
+                self._pool = ReceivePool(RECEIVE_POOL_BYTES)
+            body = self._pool.take(total)
+        if body is None:
+            body = np.empty(total, np.uint8)
         out = body.data
         frames, start = [], 0
         for size, slot in zip(hdr.frames, slots, strict=True):
