@@ -42,6 +42,9 @@ from .transport import Transfer
 
 log = logging.getLogger(__name__)
 
+_EARLY = 1e-3
+"""A stall timer that fires this close to its request's ``due`` counts as on time."""
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
@@ -69,7 +72,10 @@ class _Incoming:
 
     next_index: int = 0
     waiters: deque[asyncio.Future[Chunk]] = field(default_factory=deque)
+    due: float | None = None
+    """Loop time at which the request stalls unless a chunk comes first; None: not watched."""
     timer: asyncio.TimerHandle | None = None
+    """The one timer that checks :attr:`due` (a chunk only moves ``due``: no timer per chunk)."""
 
 
 class TransferAdapter:
@@ -238,8 +244,10 @@ class TransferAdapter:
         payload = self.connector.wait_for(key, source=self.source)
         payload.add_done_callback(partial(self._arrived, request_id, index, result))
         result.add_done_callback(partial(self._load_cancelled, request_id, index, payload))
-        if not payload.done() and state.timer is None:
-            state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
+        if not payload.done() and state.due is None:
+            state.due = self._loop.time() + self.options.stall_timeout
+            if state.timer is None:
+                state.timer = self._loop.call_at(state.due, self._stalled, request_id)
         return result
 
     async def load(self, request_id: str) -> Chunk:
@@ -265,13 +273,14 @@ class TransferAdapter:
         self._loaded(request_id, index, result, error, payload.result() if error is None else None)
 
     def _rearm(self, request_id: str, result: asyncio.Future[Chunk]) -> None:
-        """A chunk came for ``result``: restart the request's stall clock if other loads wait."""
+        """A chunk came for ``result``: restart the request's stall clock if other loads wait,
+        else stop watching it (the armed timer, when it fires, finds that out)."""
         state = self._incoming.get(request_id)
-        if state is not None and state.timer is not None:
-            state.timer.cancel()
-            state.timer = None
+        if state is not None and state.due is not None:
             if any(not w.done() and w is not result for w in state.waiters):
-                state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
+                state.due = self._loop.time() + self.options.stall_timeout
+            else:
+                state.due = None
 
     def _loaded(
         self, request_id: str, index: int, result: asyncio.Future[Chunk], error: BaseException | None,
@@ -323,18 +332,25 @@ class TransferAdapter:
         if not payload.done() and state.next_index == index + 1:
             payload.cancel()
             state.next_index = index
-            if not state.waiters and state.timer is not None:
-                state.timer.cancel()
-                state.timer = None
+            if not state.waiters:
+                state.due = None
         else:
             payload.cancel()
             self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
 
     def _stalled(self, request_id: str) -> None:
+        """The request's timer fired: it stalled if its ``due`` passed; else the timer is
+        armed again for ``due`` (moved by chunks meanwhile), or not at all (nothing waits)."""
         state = self._incoming.get(request_id)
         if state is None:
             return
         state.timer = None
+        if state.due is None:
+            return
+        if state.due - self._loop.time() > _EARLY:
+            state.timer = self._loop.call_at(state.due, self._stalled, request_id)
+            return
+        state.due = None
         self.stalls += 1
         self.cleanup(
             request_id,

@@ -109,7 +109,15 @@ def _encode_mapping(value: Mapping[Any, Any], frames: list[Any], specs: list[_Ar
     for key, item in value.items():
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"payload keys must be str, got {type(key).__name__}")
-        out[key] = item if type(item) in _SCALARS else _encode_value(item, frames, specs, depth + 1)
+        kind = type(item)  # the common cases without _encode_value's call (depth + 1 <= MAX_DEPTH here)
+        if kind in _SCALARS:
+            out[key] = item
+        elif kind is np.ndarray:
+            out[key] = _encode_array(item, frames, specs)
+        elif kind is dict:
+            out[key] = _encode_mapping(item, frames, specs, depth + 1)
+        else:
+            out[key] = _encode_value(item, frames, specs, depth + 1)
     return out
 
 
@@ -206,15 +214,20 @@ def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any
         raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
     kind = type(node)  # the decoder makes exact types only: no isinstance needed
     if kind is _Ref:
-        if node.index >= len(values):
-            raise ProtocolError(f"payload refers to frame {node.index} of {len(values)}")
-        value = values[node.index]
-        if (node.kind == _EXT_BYTES) != (type(value) is bytes):
-            raise ProtocolError(f"frame {node.index} is referred to as the wrong kind")
-        return value
+        return _frame_value(node, values)
     if kind is list or kind is dict:
         return _resolve_children(node, values, depth, budget)
     raise ProtocolError(f"unexpected {type(node).__name__} in a payload")
+
+
+def _frame_value(ref: _Ref, values: list[Any]) -> Any:
+    """The decoded frame a reference names, checked to exist and to be of its kind."""
+    if ref.index >= len(values):
+        raise ProtocolError(f"payload refers to frame {ref.index} of {len(values)}")
+    value = values[ref.index]
+    if (ref.kind == _EXT_BYTES) != (type(value) is bytes):
+        raise ProtocolError(f"frame {ref.index} is referred to as the wrong kind")
+    return value
 
 
 def _resolve_children(node: list[Any] | dict[Any, Any], values: list[Any], depth: int, budget: list[int]) -> Any:
@@ -231,5 +244,11 @@ def _resolve_children(node: list[Any] | dict[Any, Any], values: list[Any], depth
     for key, item in node.items():
         if type(key) is not str:
             raise ProtocolError(f"payload keys must be str, got {type(key).__name__}")
-        out[key] = item if type(item) in _SCALARS else _resolve(item, values, depth + 1, budget)
+        kind = type(item)  # a frame without _resolve's call (depth + 1 <= MAX_DEPTH here)
+        if kind in _SCALARS:
+            out[key] = item
+        elif kind is _Ref:
+            out[key] = _frame_value(item, values)
+        else:
+            out[key] = _resolve(item, values, depth + 1, budget)
     return out

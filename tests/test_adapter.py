@@ -110,6 +110,24 @@ async def test_stall_deadline_fails_waiter_and_cleans_up(make_service):
     assert rx.connector.buffered == (0, 0)
 
 
+async def test_each_chunk_restarts_the_stall_clock_of_a_request_still_waited_for(make_service):
+    """Chunks 0.15 s apart keep a request with a 0.4 s stall deadline alive well past 0.4 s;
+    once they stop, the load still waiting fails about 0.4 s after the last one."""
+    _, _, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=0.4))
+    loads = [receiver.load_async("s") for _ in range(6)]
+    started = time.monotonic()
+    for i in range(5):
+        await asyncio.sleep(0.15)
+        await asyncio.wait_for(sender.save("s", {"i": i}), 5)
+    last = time.monotonic()
+    assert [(await asyncio.wait_for(load, 5)).data["i"] for load in loads[:5]] == list(range(5))
+    assert last - started > 0.7
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(loads[5], 5)
+    assert 0.3 < time.monotonic() - last < 1.5
+    assert receiver.active_requests == 0
+
+
 async def test_cleanup_and_cancel_are_idempotent_and_leave_nothing(make_service):
     _, rx, sender, receiver = await linked(make_service)
     await sender.save("r1", {"i": 0})
