@@ -122,6 +122,7 @@ broken lane, or the peer's Goodbye); the owner forgets it too."""
 
 _U8 = np.dtype(np.uint8)
 _FRAME_ALIGN = 64
+"""Where each frame of a ring message starts in the receiver's copy (a dtype never needs more)."""
 POOL_MIN = 64 * 1024
 """Ring messages with at least this many frame bytes are copied into the receive pool (below
 it a fresh array costs less than the pool's bookkeeping)."""
@@ -130,7 +131,6 @@ RECEIVE_POOL_BYTES = 64 << 20
 ACK_BATCH = 16
 """Most acknowledgements held back while a ring batch is being taken: enough to spare most
 records and wake-up checks, few enough that the sender's window keeps moving."""
-"""Where each frame of a ring message starts in the receiver's copy (a dtype never needs more)."""
 
 
 def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
