@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -242,8 +242,9 @@ class TransferAdapter:
             self._loaded(request_id, index, result, None, buffered)
             return result
         payload = self.connector.wait_for(key, source=self.source)
-        payload.add_done_callback(partial(self._arrived, request_id, index, result))
-        result.add_done_callback(partial(self._load_cancelled, request_id, index, payload))
+        cancelled = partial(self._load_cancelled, request_id, index, payload)
+        result.add_done_callback(cancelled)  # its owner may give it up
+        payload.add_done_callback(partial(self._arrived, request_id, index, result, cancelled))
         if not payload.done() and state.due is None:
             state.due = self._loop.time() + self.options.stall_timeout
             if state.timer is None:
@@ -263,8 +264,10 @@ class TransferAdapter:
                 return
 
     def _arrived(
-        self, request_id: str, index: int, result: asyncio.Future[Chunk], payload: asyncio.Future[dict[str, Any]]
+        self, request_id: str, index: int, result: asyncio.Future[Chunk],
+        cancelled: Callable[[asyncio.Future[Chunk]], None], payload: asyncio.Future[dict[str, Any]],
     ) -> None:
+        result.remove_done_callback(cancelled)  # settled from here now: it would only return, a loop turn later
         self._rearm(request_id, result)
         if payload.cancelled():
             result.cancel()
