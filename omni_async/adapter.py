@@ -48,7 +48,11 @@ _EARLY = 1e-3
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One received chunk: ``data`` is the payload mapping the sender saved."""
+    """One received chunk: ``data`` is the payload mapping the sender saved.
+
+    Its arrays are the receiver's: large ones from a same-host peer are views of the agent's
+    receive pool (:mod:`omni_async.transport.pool`), reused only after the last reference to
+    them is dropped; keeping them long only makes later chunks arrive in fresh arrays."""
 
     request_id: str
     index: int
