@@ -19,6 +19,8 @@ import asyncio
 import logging
 import os
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +29,7 @@ import numpy as np
 
 from ..errors import PeerLost, ProtocolError
 from . import iov
-from .turns import NextTurn, SpinGate
+from .turns import NextTurn, SpinGate, spin
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ _MAX_PROGRESS = 64  # worker progress calls per round
 _MAX_ARRIVALS = 64  # messages taken per watch per round: a flooding peer cannot hold the loop
 _FULL_REAP_EVERY = 16  # wake-ups between scans of every pending request (the front is checked always)
 _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
+_HOT = 200e-6  # seconds a lane that stays hot polls after its last activity (measured, docs/tuning.md)
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 _CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
 _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the peer's close
@@ -53,6 +56,10 @@ _RNDV_THRESH_TCP = 64 * 1024 + 1
 """Bytes from which a message goes by rendezvous over tcp: one 64 KiB block still goes eagerly."""
 _TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "72K", "TCP_RX_SEG_SIZE": "72K"}
 """UCX's tcp segments (8 KiB by default) hold an eager 64 KiB message and its headers whole."""
+
+_HERE: weakref.WeakValueDictionary[bytes, Lane] = weakref.WeakValueDictionary()
+"""The open lanes of this process, by worker address: a peer among them cannot answer while
+a lane of this thread spins (see :attr:`Lane.stay_hot`)."""
 
 ucx_api: Any = None
 """ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
@@ -128,6 +135,9 @@ class Lane:
         # under load, the calls queued per loop iteration stay bounded.
         self._next_turn = NextTurn(loop)
         self._spin_gate = SpinGate()
+        self._hot_gate = SpinGate()
+        self._active_at = 0.0  # perf_counter of the last post, completion or arrival
+        self._peer_here = False
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
@@ -138,6 +148,7 @@ class Lane:
         self.wakeups = 0
         """How many times the lane ran its progress engine (for idle-CPU tests)."""
         loop.add_reader(self._fd, self._drive)
+        _HERE[self.address] = self
 
     @property
     def address(self) -> bytes:
@@ -165,6 +176,7 @@ class Lane:
         The address must have been vetted (:meth:`check_address`, then
         :class:`~.vetting.AddressVetter`): UCX aborts the process on some malformed ones.
         """
+        self._peer_here = remote_address in _HERE
         try:
             self._endpoint = iov.connect(self._worker, remote_address)
         except OSError as exc:  # UCX refused the address (unreachable, bad parameter, ...)
@@ -215,6 +227,7 @@ class Lane:
         if self._closed:
             _run(done, self._close_reason)
             return
+        self._active_at = time.perf_counter()
         try:
             handle = post()
         except OSError as exc:  # handed on without its traceback, which holds this lane's frames
@@ -254,10 +267,15 @@ class Lane:
         """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
         self.wakeups += 1
         worker = self._worker
+        started = time.perf_counter()
         for round_ in range(_MAX_ROUNDS):
+            moved = False
             for _ in range(_MAX_PROGRESS):
                 if not worker.progress_once():
                     break
+                moved = True
+            if moved:
+                self._active_at = time.perf_counter()
             if self._pending:
                 self._reap(everything=round_ == 0 and self.wakeups % _FULL_REAP_EVERY == 0)
             more = False if self._closed else self._take_arrivals()
@@ -265,9 +283,25 @@ class Lane:
                 return
             if more:
                 break  # arrivals left in UCX's queue: come back after the loop's other work
+            if self._hot():
+                # Poll in slices, the loop's other callbacks running between them, until
+                # something moves or the window since the last activity passed.  What this
+                # pass did may have woken callbacks (a settled transfer's awaiter, which may
+                # post the next one): they run first.
+                if self._active_at > started:
+                    self._next_turn(self._drive)
+                    return
+                if spin(worker.progress_once, _SPIN):
+                    self._hot_gate.record(True)
+                    self._active_at = time.perf_counter()
+                    continue
+                if time.perf_counter() - self._active_at < _HOT:
+                    self._next_turn(self._drive)
+                    return
+                self._hot_gate.record(False)  # a whole window passed with nothing
             # Spinning pays only when the peer answers within the window (another core); after
             # a few misses (a peer on this thread, or a slow one) the gate spaces the tries out.
-            if self._expects() and self._spin_gate.may() and self._spin_gate.spin(worker.progress_once, _SPIN):
+            elif self._expects() and self._spin_gate.may() and self._spin_gate.spin(worker.progress_once, _SPIN):
                 continue  # something moved while we waited briefly: handle it now
             if worker.arm():
                 return
@@ -275,6 +309,25 @@ class Lane:
         # dead peer until the control plane notices): come back after the loop has run its
         # other callbacks (other lanes, heartbeats), so no peer can starve the others.
         self._next_turn(self._drive)
+
+    stay_hot: Callable[[], bool] | None = None
+    """Set by the owner: True while the peer's requests and answers come over this lane (not
+    through a ring).  The lane then keeps polling the worker for up to ``_HOT`` seconds after
+    its last post, completion or arrival before it sleeps on its event fd, in slices of
+    ``_SPIN`` between which the loop runs its other callbacks: back-to-back transfers and
+    their answers pay no wake-up.  Never while idle (the window starts at activity), never
+    for a peer in this process (it cannot answer while we poll), and after a few windows that
+    caught nothing only now and then (a :class:`~.turns.SpinGate`)."""
+
+    def _hot(self) -> bool:
+        if self._peer_here or self.stay_hot is None or time.perf_counter() - self._active_at >= _HOT:
+            return False
+        try:
+            wanted = self.stay_hot()
+        except Exception:  # guarded like every callback: the lane just does not poll
+            log.exception("a callback of a lane failed: %r", self.stay_hot)
+            return False
+        return wanted and self._hot_gate.may()
 
     expecting: Callable[[], bool] | None = None
     """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or
@@ -351,6 +404,7 @@ class Lane:
         if reason is not None:
             self._close_reason = reason
         self._loop.remove_reader(self._fd)
+        _HERE.pop(self.address, None)
         pending, self._pending = list(self._pending), deque()
         # UCX may still complete these requests while the close is progressed: their buffers
         # stay referenced until the lane is released, or UCX would write into freed memory.
