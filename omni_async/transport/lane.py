@@ -348,14 +348,29 @@ busy host: c_tcp lower in 4 of 4 alternations).  Never while idle (the window st
     so none stays in UCX's unexpected queue; unset, such messages are left there."""
 
     def _take_arrivals(self) -> bool:
-        """Hand arrived messages to their watches, at most ``_MAX_ARRIVALS`` per watch; True
-        if some may be left (the caller comes back before sleeping)."""
-        more = False
-        for tag, mask, on_arrival in self._watches:
-            more = self._take(tag, mask, on_arrival) or more
-        if not more and self.on_stray is not None:  # every watched message is taken by now
-            more = self._take(0, 0, self.on_stray)
-        return more
+        """Hand arrived messages to their watches (or ``on_stray``), at most ``_MAX_ARRIVALS``
+        per watch per round; True if some may be left (the caller comes back before sleeping).
+
+        With ``on_stray`` set every message is taken, so one probe for any tag takes them in
+        arrival order (one fruitless probe per round, not one per watch)."""
+        stray = self.on_stray
+        if stray is None:
+            more = False
+            for tag, mask, on_arrival in self._watches:
+                more = self._take(tag, mask, on_arrival) or more
+            return more
+        watches = self._watches
+        worker, info = self._worker, self._probe_info
+        for _ in range(_MAX_ARRIVALS * (len(watches) + 1)):
+            if self._closed:
+                return False
+            found = iov.probe(worker, 0, 0, info)
+            if found is None:
+                return False
+            handle, sender_tag, length = found
+            take = next((watch[2] for watch in watches if sender_tag & watch[1] == watch[0]), stray)
+            _run(take, sender_tag, length, handle)
+        return True
 
     def _take(self, tag: int, mask: int, on_arrival: Arrival) -> bool:
         for _ in range(_MAX_ARRIVALS):
