@@ -315,13 +315,14 @@ class Lane:
     through a ring).  The lane then keeps polling the worker for up to ``_HOT`` seconds after
     its last post, completion or arrival before it sleeps on its event fd, in slices of
     ``_SPIN`` between which the loop runs its other callbacks: back-to-back transfers and
-    their answers pay no wake-up.  Only while no request of its own is in flight (a large
-transfer in progress wakes the lane anyway, and polling then took CPU its peer needed on a
-busy host: c_tcp lower in 4 of 4 alternations).  Never while idle (the window starts at activity), never
-    for a peer in this process (it cannot answer while we poll), and after a few windows that
-    caught nothing only now and then (a :class:`~.turns.SpinGate`)."""
+    their answers pay no wake-up.  Only while no request of its own is in flight (a transfer
+    in progress wakes the lane anyway, and polling then took CPU its peer needed on a busy
+    host), never while idle (the window starts at activity), never for a peer in this process
+    (it cannot answer while we poll), and after a few windows that caught nothing only now
+    and then (a :class:`~.turns.SpinGate`)."""
 
     def _hot(self) -> bool:
+        """Whether to poll now rather than sleep (see :attr:`stay_hot`)."""
         if self._pending or self._peer_here or self.stay_hot is None or time.perf_counter() - self._active_at >= _HOT:
             return False
         try:
@@ -349,7 +350,8 @@ busy host: c_tcp lower in 4 of 4 alternations).  Never while idle (the window st
 
     def _take_arrivals(self) -> bool:
         """Hand arrived messages to their watches (or ``on_stray``), at most ``_MAX_ARRIVALS``
-        per watch per round; True if some may be left (the caller comes back before sleeping).
+        per watch (and as many strays) per round in all; True if some may be left (the caller
+        comes back before sleeping).
 
         With ``on_stray`` set every message is taken, so one probe for any tag takes them in
         arrival order (one fruitless probe per round, not one per watch)."""
