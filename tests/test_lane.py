@@ -388,12 +388,14 @@ async def test_a_lane_to_another_process_polls_a_moment_after_activity_then_slee
     async with asyncio.timeout(30):
         await tx.connect(peer.info["address"])
         lane = tx.transport.lane("rx")
-        polled = 0
-        for _ in range(100):
+        polled = False
+        for _ in range(500):  # on a loaded host the lane's gate may skip many windows
             await tx.write_blocks("rx", [1], [2])
             settled = lane.wakeups
             await asyncio.sleep(0)  # one loop turn: a lane that stays hot runs a pass in it
-            polled += lane.wakeups > settled
+            polled = lane.wakeups > settled
+            if polled:
+                break
         await asyncio.sleep(0.2)  # far longer than the window
         idle = lane.wakeups
         await asyncio.sleep(0.5)
