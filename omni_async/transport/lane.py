@@ -137,6 +137,8 @@ class Lane:
         self._spin_gate = SpinGate()
         self._hot_gate = SpinGate()
         self._active_at = 0.0  # perf_counter of the last post, completion or arrival
+        self._window = -1.0  # the _active_at whose window _window_hot decided
+        self._window_hot = False
         self._peer_here = False
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
@@ -322,15 +324,18 @@ class Lane:
     and then (a :class:`~.turns.SpinGate`)."""
 
     def _hot(self) -> bool:
-        """Whether to poll now rather than sleep (see :attr:`stay_hot`)."""
+        """Whether to poll now rather than sleep (see :attr:`stay_hot`).  Decided once per
+        window (per last activity): a retry of the gate gets a whole window, not one slice."""
         if self._pending or self._peer_here or self.stay_hot is None or time.perf_counter() - self._active_at >= _HOT:
             return False
-        try:
-            wanted = self.stay_hot()
-        except Exception:  # guarded like every callback: the lane just does not poll
-            log.exception("a callback of a lane failed: %r", self.stay_hot)
-            return False
-        return wanted and self._hot_gate.may()
+        if self._window != self._active_at:
+            self._window = self._active_at
+            try:
+                self._window_hot = self.stay_hot() and self._hot_gate.may()
+            except Exception:  # guarded like every callback: the lane just does not poll
+                log.exception("a callback of a lane failed: %r", self.stay_hot)
+                self._window_hot = False
+        return self._window_hot
 
     expecting: Callable[[], bool] | None = None
     """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or
