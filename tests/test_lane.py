@@ -376,3 +376,43 @@ def test_address_of_is_the_first_byte_of_any_flat_byte_array():
     header = np.frombuffer(b"encoded header", np.uint8)
     for view in (region[3], region[2:5].reshape(-1), header, np.empty(0, np.uint8)):
         assert iov.address_of(view) == view.ctypes.data
+
+
+async def test_a_lane_to_another_process_polls_a_moment_after_activity_then_sleeps(make_agent, spawn_peer, tmp_path):
+    """Over tcp to a peer process, a lane keeps polling for a moment after its last activity
+    (the next write, or an answer, then pays no wake-up), and then sleeps: not one progress
+    pass while idle."""
+    config = {"ucx_tls": "tcp", "same_host_lane": False}
+    peer = await spawn_peer("serve", str(tmp_path / "region"), 8, 64 * 1024, {**config, "peer_id": "rx"})
+    tx = await make_agent(8, 64 * 1024, peer_id="tx", **config)
+    async with asyncio.timeout(30):
+        await tx.connect(peer.info["address"])
+        lane = tx.transport.lane("rx")
+        polled = False
+        for _ in range(500):  # on a loaded host the lane's gate may skip many windows
+            await tx.write_blocks("rx", [1], [2])
+            settled = lane.wakeups
+            await asyncio.sleep(0)  # one loop turn: a lane that stays hot runs a pass in it
+            polled = lane.wakeups > settled
+            if polled:
+                break
+        await asyncio.sleep(0.2)  # far longer than the window
+        idle = lane.wakeups
+        await asyncio.sleep(0.5)
+    assert polled, "the lane slept right after every write settled"
+    assert lane.wakeups == idle, f"{lane.wakeups - idle} progress passes while idle"
+
+
+async def test_a_lane_to_a_peer_in_this_process_never_polls_after_activity(make_agent):
+    """A peer on this thread cannot answer while we poll: such a lane sleeps right away."""
+    config = {"ucx_tls": "tcp", "same_host_lane": False}
+    rx = await make_agent(8, 64 * 1024, peer_id="rx", **config)
+    tx = await make_agent(8, 64 * 1024, peer_id="tx", **config)
+    async with asyncio.timeout(20):
+        await tx.connect(rx.control_address)
+        for _ in range(5):
+            await tx.write_blocks("rx", [1], [2])
+        lanes = [tx.transport.lane("rx"), rx.transport.lane("tx")]
+        settled = sum(lane.wakeups for lane in lanes)
+        await asyncio.sleep(0.2)
+    assert sum(lane.wakeups for lane in lanes) == settled

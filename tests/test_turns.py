@@ -16,3 +16,14 @@ def test_spin_gate_retries_every_retry_th_chance_after_misses_and_reopens_on_a_h
     ]
     assert gate.spin(lambda: True, 0.001) is True
     assert all(gate.may() for _ in range(SpinGate.RETRY))
+
+
+def test_spin_gate_counts_outcomes_recorded_for_spins_made_elsewhere():
+    """A spin spread over several loop turns (a hot lane) reports its outcome once."""
+    gate = SpinGate()
+    for _ in range(SpinGate.MISSES):
+        assert gate.may()
+        gate.record(False)
+    assert not gate.may()
+    gate.record(True)
+    assert all(gate.may() for _ in range(SpinGate.RETRY))

@@ -19,6 +19,8 @@ import asyncio
 import logging
 import os
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +29,7 @@ import numpy as np
 
 from ..errors import PeerLost, ProtocolError
 from . import iov
-from .turns import NextTurn, SpinGate
+from .turns import NextTurn, SpinGate, spin
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ _MAX_PROGRESS = 64  # worker progress calls per round
 _MAX_ARRIVALS = 64  # messages taken per watch per round: a flooding peer cannot hold the loop
 _FULL_REAP_EVERY = 16  # wake-ups between scans of every pending request (the front is checked always)
 _SPIN = 50e-6  # seconds a lane that expects an answer polls before sleeping on its event fd
+_HOT = 200e-6  # seconds a lane that stays hot polls after its last activity (measured, docs/tuning.md)
 _MIN_ADDRESS = 16  # bytes; real worker addresses are ~80-200
 _CLOSE_GRACE = 5.0  # seconds an endpoint close may take before the lane is released anyway
 _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the peer's close
@@ -53,6 +56,10 @@ _RNDV_THRESH_TCP = 64 * 1024 + 1
 """Bytes from which a message goes by rendezvous over tcp: one 64 KiB block still goes eagerly."""
 _TCP_SEGMENTS = {"TCP_TX_SEG_SIZE": "72K", "TCP_RX_SEG_SIZE": "72K"}
 """UCX's tcp segments (8 KiB by default) hold an eager 64 KiB message and its headers whole."""
+
+_HERE: weakref.WeakValueDictionary[bytes, Lane] = weakref.WeakValueDictionary()
+"""The open lanes of this process, by worker address: a peer among them cannot answer while
+a lane of this thread spins (see :attr:`Lane.stay_hot`)."""
 
 ucx_api: Any = None
 """ucxx's ``libucxx`` module once :func:`load_ucxx` ran (first context or lane), else None."""
@@ -128,6 +135,11 @@ class Lane:
         # under load, the calls queued per loop iteration stay bounded.
         self._next_turn = NextTurn(loop)
         self._spin_gate = SpinGate()
+        self._hot_gate = SpinGate()
+        self._active_at = 0.0  # perf_counter of the last post, completion or arrival
+        self._window = -1.0  # the _active_at whose window _window_hot decided
+        self._window_hot = False
+        self._peer_here = False
         self._closed = False
         self._close_reason: BaseException = PeerLost("lane closed")
         self._endpoint_done = False
@@ -138,6 +150,7 @@ class Lane:
         self.wakeups = 0
         """How many times the lane ran its progress engine (for idle-CPU tests)."""
         loop.add_reader(self._fd, self._drive)
+        _HERE[self.address] = self
 
     @property
     def address(self) -> bytes:
@@ -165,6 +178,7 @@ class Lane:
         The address must have been vetted (:meth:`check_address`, then
         :class:`~.vetting.AddressVetter`): UCX aborts the process on some malformed ones.
         """
+        self._peer_here = remote_address in _HERE
         try:
             self._endpoint = iov.connect(self._worker, remote_address)
         except OSError as exc:  # UCX refused the address (unreachable, bad parameter, ...)
@@ -215,6 +229,7 @@ class Lane:
         if self._closed:
             _run(done, self._close_reason)
             return
+        self._active_at = time.perf_counter()
         try:
             handle = post()
         except OSError as exc:  # handed on without its traceback, which holds this lane's frames
@@ -254,10 +269,15 @@ class Lane:
         """Progress the worker, complete finished requests, re-arm; yield if UCX stays busy."""
         self.wakeups += 1
         worker = self._worker
+        started = time.perf_counter()
         for round_ in range(_MAX_ROUNDS):
+            moved = False
             for _ in range(_MAX_PROGRESS):
                 if not worker.progress_once():
                     break
+                moved = True
+            if moved:
+                self._active_at = time.perf_counter()
             if self._pending:
                 self._reap(everything=round_ == 0 and self.wakeups % _FULL_REAP_EVERY == 0)
             more = False if self._closed else self._take_arrivals()
@@ -265,9 +285,25 @@ class Lane:
                 return
             if more:
                 break  # arrivals left in UCX's queue: come back after the loop's other work
+            if self._hot():
+                # Poll in slices, the loop's other callbacks running between them, until
+                # something moves or the window since the last activity passed.  What this
+                # pass did may have woken callbacks (a settled transfer's awaiter, which may
+                # post the next one): they run first.
+                if self._active_at > started:
+                    self._next_turn(self._drive)
+                    return
+                if spin(worker.progress_once, _SPIN):
+                    self._hot_gate.record(True)
+                    self._active_at = time.perf_counter()
+                    continue
+                if time.perf_counter() - self._active_at < _HOT:
+                    self._next_turn(self._drive)
+                    return
+                self._hot_gate.record(False)  # a whole window passed with nothing
             # Spinning pays only when the peer answers within the window (another core); after
             # a few misses (a peer on this thread, or a slow one) the gate spaces the tries out.
-            if self._expects() and self._spin_gate.may() and self._spin_gate.spin(worker.progress_once, _SPIN):
+            elif self._expects() and self._spin_gate.may() and self._spin_gate.spin(worker.progress_once, _SPIN):
                 continue  # something moved while we waited briefly: handle it now
             if worker.arm():
                 return
@@ -275,6 +311,31 @@ class Lane:
         # dead peer until the control plane notices): come back after the loop has run its
         # other callbacks (other lanes, heartbeats), so no peer can starve the others.
         self._next_turn(self._drive)
+
+    stay_hot: Callable[[], bool] | None = None
+    """Set by the owner: True while the peer's requests and answers come over this lane (not
+    through a ring).  The lane then keeps polling the worker for up to ``_HOT`` seconds after
+    its last post, completion or arrival before it sleeps on its event fd, in slices of
+    ``_SPIN`` between which the loop runs its other callbacks: back-to-back transfers and
+    their answers pay no wake-up.  Only while no request of its own is in flight (a transfer
+    in progress wakes the lane anyway, and polling then took CPU its peer needed on a busy
+    host), never while idle (the window starts at activity), never for a peer in this process
+    (it cannot answer while we poll), and after a few windows that caught nothing only now
+    and then (a :class:`~.turns.SpinGate`)."""
+
+    def _hot(self) -> bool:
+        """Whether to poll now rather than sleep (see :attr:`stay_hot`).  Decided once per
+        window (per last activity): a retry of the gate gets a whole window, not one slice."""
+        if self._pending or self._peer_here or self.stay_hot is None or time.perf_counter() - self._active_at >= _HOT:
+            return False
+        if self._window != self._active_at:
+            self._window = self._active_at
+            try:
+                self._window_hot = self.stay_hot() and self._hot_gate.may()
+            except Exception:  # guarded like every callback: the lane just does not poll
+                log.exception("a callback of a lane failed: %r", self.stay_hot)
+                self._window_hot = False
+        return self._window_hot
 
     expecting: Callable[[], bool] | None = None
     """Set by the owner: True while an answer is expected soon (a transfer awaits its ack or
@@ -293,14 +354,30 @@ class Lane:
     so none stays in UCX's unexpected queue; unset, such messages are left there."""
 
     def _take_arrivals(self) -> bool:
-        """Hand arrived messages to their watches, at most ``_MAX_ARRIVALS`` per watch; True
-        if some may be left (the caller comes back before sleeping)."""
-        more = False
-        for tag, mask, on_arrival in self._watches:
-            more = self._take(tag, mask, on_arrival) or more
-        if not more and self.on_stray is not None:  # every watched message is taken by now
-            more = self._take(0, 0, self.on_stray)
-        return more
+        """Hand arrived messages to their watches (or ``on_stray``), at most ``_MAX_ARRIVALS``
+        per watch (and as many strays) per round in all; True if some may be left (the caller
+        comes back before sleeping).
+
+        With ``on_stray`` set every message is taken, so one probe for any tag takes them in
+        arrival order (one fruitless probe per round, not one per watch)."""
+        stray = self.on_stray
+        if stray is None:
+            more = False
+            for tag, mask, on_arrival in self._watches:
+                more = self._take(tag, mask, on_arrival) or more
+            return more
+        watches = self._watches
+        worker, info = self._worker, self._probe_info
+        for _ in range(_MAX_ARRIVALS * (len(watches) + 1)):
+            if self._closed:
+                return False
+            found = iov.probe(worker, 0, 0, info)
+            if found is None:
+                return False
+            handle, sender_tag, length = found
+            take = next((watch[2] for watch in watches if sender_tag & watch[1] == watch[0]), stray)
+            _run(take, sender_tag, length, handle)
+        return True
 
     def _take(self, tag: int, mask: int, on_arrival: Arrival) -> bool:
         for _ in range(_MAX_ARRIVALS):
@@ -351,6 +428,7 @@ class Lane:
         if reason is not None:
             self._close_reason = reason
         self._loop.remove_reader(self._fd)
+        _HERE.pop(self.address, None)
         pending, self._pending = list(self._pending), deque()
         # UCX may still complete these requests while the close is progressed: their buffers
         # stay referenced until the lane is released, or UCX would write into freed memory.

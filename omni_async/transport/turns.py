@@ -65,8 +65,12 @@ class SpinGate:
     def spin(self, poll: Callable[[], object], seconds: float) -> bool:
         """:func:`spin`, counting the outcome."""
         hit = spin(poll, seconds)
-        self._misses = 0 if hit else self._misses + 1
+        self.record(hit)
         return hit
+
+    def record(self, hit: bool) -> None:
+        """Count the outcome of a spin made otherwise (e.g. one spread over several turns)."""
+        self._misses = 0 if hit else self._misses + 1
 
 
 def spin(poll: Callable[[], object], seconds: float) -> bool:

@@ -322,6 +322,7 @@ class UcxTransport:
         lane.on_stray = partial(self._stray_arrived, link)
         # Acknowledgements come through the ring once there is one: the lane need not spin.
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
+        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None
         self._offer_ring(link)
 
     def _offer_ring(self, link: PeerLink) -> None:
