@@ -519,13 +519,18 @@ class UcxTransport:
         # More runs or blocks than one request may carry (the receiver's limits): several
         # requests under the same transfer id, settled by the last acknowledgement.
         direct = link.direct
-        placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
+        placed = direct is not None and (
+            direct.num_blocks >= link.peer.num_blocks  # the runs are bounded by the peer's layout
+            or max(run.remote + run.length for run in runs) <= direct.num_blocks
+        )
         # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
         placed = placed and (notice is None or link.ring_out is not None)
         requests: list[tuple[int, int, Callable[[], None]]] = []
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
-        split = split_runs(runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers))
+        split = split_runs(
+            runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers), blocks
+        )
         for part, request in enumerate(split):
             tag = None if notice is None else _Tag(notice, part, len(split))
             if placed:  # same host: copied straight into the peer's rows, no payload message
@@ -1267,7 +1272,7 @@ class _Tag:
 def _write_request(
     transfer_id: int, seq: int, runs: list[Run], tag: _Tag | None, *, gathered: bool = True, placed: bool = False
 ) -> WriteRequest:
-    pairs = [(run.remote, run.length) for run in runs]
+    pairs = [(remote, length) for _local, remote, length in runs]
     if tag is None:
         return WriteRequest(transfer_id, seq, pairs, gathered, placed)
     return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
