@@ -85,6 +85,7 @@ from ..wire import (
     validate_message,
     validate_write,
 )
+from .iov import iov_of_runs
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
@@ -638,11 +639,10 @@ class UcxTransport:
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
-        rows = self._rows([(local, length) for local, _remote, length in runs])
-        if gather:
-            lane.send_many(rows, data_tag(seq), on_sent)  # one message, gathered from the rows
+        if gather:  # one message, gathered from the rows (two or more: see _write_runs)
+            lane.send_iov(iov_of_runs(self._arrays, runs), self._arrays, data_tag(seq), on_sent)
         else:
-            for i, row in enumerate(rows):
+            for i, row in enumerate(self._rows([(local, length) for local, _remote, length in runs])):
                 lane.send(row, data_tag(seq + i), on_sent)
 
     def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
