@@ -253,6 +253,34 @@ async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(
     assert b.transport.links["a"].intents == {}
 
 
+async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(make_agent):
+    """A large write split into several requests (the receiver's max_write_blocks): each
+    request is its own intent and commit, numbered ``part`` of ``parts``, so no two are ever
+    confused (a commit may travel over the lane while the next intent is in the ring)."""
+    from omni_async.wire import Commit, WriteRequest, decode_header
+
+    a = await make_agent(64, 64 << 10, peer_id="a")
+    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    link = a.transport.links["b"]
+    async with asyncio.timeout(5):
+        while not (link.ring_out and b.transport.links["a"].ring_out):
+            await asyncio.sleep(0.01)
+    a.region.array[:] = np.random.default_rng(4).integers(0, 256, a.region.array.shape, dtype=np.uint8)
+    records: list[object] = []
+    put = link.ring_out.send
+    link.ring_out.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
+        records.append(decode_header(parts[0])), put(kind, parts))[1]
+    rows = list(range(48))  # three requests of 16 blocks (1 MiB each)
+    await asyncio.wait_for(a.write_blocks("b", rows, rows[::-1]), 5)
+    intents = [r for r in records if isinstance(r, WriteRequest)]
+    commits = [r for r in records if isinstance(r, Commit)]
+    assert [(r.part, r.parts, r.announced) for r in intents] == [(0, 3, True), (1, 3, True), (2, 3, True)]
+    assert [c.part for c in commits] == [0, 1, 2]
+    assert np.array_equal(b.region.array[47::-1], a.region.array[:48])
+    assert b.transport.links["a"].intents == {}
+
+
 async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
     """The copy of an announced write fails (no permission, say): the write fails, an abort
     clears the receiver's intent (it never waits for a commit that will not come), and later

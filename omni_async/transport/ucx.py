@@ -547,14 +547,15 @@ class UcxTransport:
                 # An intent counts as a payload message: the receiver's bound on intents
                 # pending is the window's.
                 if tag is not None:
-                    place = partial(self._place_announced, link, transfer.id, request, tag)
+                    place = partial(self._place_announced, link, transfer.id, request, tag, part)
                     requests.append((1, 0, partial(self._gate, link, transfer.id, True, place)))
                 elif (
                     link.ring_out is not None
                     and _request_blocks(request, blocks, len(split)) * block_bytes >= ANNOUNCE_BYTES
                 ):
                     announced = True
-                    requests.append((1, 0, partial(self._place_announced, link, transfer.id, request, None)))
+                    announce = partial(self._place_announced, link, transfer.id, request, None, part, len(split))
+                    requests.append((1, 0, announce))
                 else:
                     requests.append((0, 0, partial(self._place, link, transfer.id, request)))
                 continue
@@ -652,7 +653,9 @@ class UcxTransport:
             header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
             self._send_header(link, header, partial(self._sent, link, transfer_id))
 
-    def _place_announced(self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None) -> None:
+    def _place_announced(
+        self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
+    ) -> None:
         """A request to a peer on this host announced before its copy: its intent (the
         ``placed`` header) goes into the peer's ring before any byte is copied and a
         :class:`~omni_async.wire.Commit` follows the copy.  With a notice (``tag``), so that the
@@ -660,8 +663,10 @@ class UcxTransport:
         large write), so that the peer checks the runs during the copy and is awake, polling
         its ring, when the commit comes (see :data:`ANNOUNCE_BYTES`).  With no room in a ring
         (none, full, broken) a request with a notice travels over UCX behind its header (one
-        gathered message: the window share it took), one without is copied and then told."""
-        intent = _write_request(transfer_id, link.outbox.take_seq(0), runs, tag, placed=True, intent=tag is None)
+        gathered message: the window share it took), one without is copied and then told.
+        ``part`` of ``parts``: which request of the write this is (a notice's tag says so too)."""
+        seq = link.outbox.take_seq(0)
+        intent = _write_request(transfer_id, seq, runs, tag, placed=True, intent=tag is None, part=part, parts=parts)
         try:
             in_ring = link.direct is not None and self._ring_put(link, encode_header(intent))
         except RingError as exc:
@@ -677,7 +682,6 @@ class UcxTransport:
         if tag is not None:
             self._count_noticed(link, transfer_id, lane=False)
         if self._copy(link, transfer_id, runs):
-            part = 0 if tag is None else tag.part
             self._send_header(link, Commit(transfer_id, part), partial(self._sent, link, transfer_id))
 
     def _copy(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> bool:
@@ -1092,6 +1096,10 @@ class UcxTransport:
         if len(link.intents) >= MAX_PENDING_PAYLOADS:
             self._drop(link, ProtocolError(f"over {MAX_PENDING_PAYLOADS} intents awaiting a commit"))
             return
+        if (req.transfer_id, req.part) in link.intents:
+            error = ProtocolError(f"a second intent of write {req.transfer_id} part {req.part} before its commit")
+            self._drop(link, error)
+            return
         link.intents[req.transfer_id, req.part] = (answer, refusal)
         if link.ring_in is not None:
             link.ring_in.stay_awake(INTENT_WAIT)  # the sender copies now: its commit is near
@@ -1314,10 +1322,13 @@ def _write_request(
     gathered: bool = True,
     placed: bool = False,
     intent: bool = False,
+    part: int = 0,
+    parts: int = 1,
 ) -> WriteRequest:
+    """A write request's header; ``part`` of ``parts`` unless the notice's ``tag`` says."""
     pairs = [(remote, length) for _local, remote, length in runs]
     if tag is None:
-        return WriteRequest(transfer_id, seq, pairs, gathered, placed, intent=intent)
+        return WriteRequest(transfer_id, seq, pairs, gathered, placed, part=part, parts=parts, intent=intent)
     return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
 
 
