@@ -10,7 +10,9 @@ no asyncio in it, the transports' own loops run in their threads.
 * receiver: prints ``{"peers": [{"metadata" (hex), "base_addr", "num_blocks", "block_len"}]}``
   (one per entry), then only waits (blocked on stdin, so it never holds the GIL) until stdin closes.
 * sender: prints ``{"ready": true}``, then answers one JSON line per request:
-  ``{"cmd": "connect", "peers": [...]}`` registers receiver ``i`` with transport ``i``;
+  ``{"cmd": "connect", "peers": [...]}`` registers receiver ``i`` with transport ``i`` and
+  answers how each writes the receiver's blocks (``{"connected": n, "direct": [kind or null]}``,
+  see ``UcxTransport.direct_kind``: the receivers' views map ``/dev/shm`` files, so ``"file"``);
   ``{"cmd": "run", "index", "local", "remote", "iters", "warmup", "poll", "budget_s"}`` answers
   ``{"ns": [...]}``: each write timed from ``write_blocks`` to the ``poll()`` that reports its id
   done.  ``poll`` is ``"tight"`` (poll again at once) or ``"step"`` (before each poll, one step
@@ -20,6 +22,7 @@ no asyncio in it, the transports' own loops run in their threads.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -28,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from omni_async import load_config
-from omni_async.compat import SyncDataTransport
+from omni_async.compat import SyncDataTransport, decode_agent_metadata
 
 from .procs import say
 
@@ -42,6 +45,15 @@ def _transport(entry: dict[str, Any]) -> SyncDataTransport:
     shape = (int(entry["num_blocks"]), int(entry["block_len"]))
     mapped = np.memmap(entry["path"], dtype=np.uint8, mode="r+", shape=shape).view(np.ndarray)
     return SyncDataTransport(memoryview(mapped), config=load_config(entry["config"], environ={}))
+
+
+def _direct_kind(t: SyncDataTransport, core_id: str) -> str | None:
+    """How ``t`` writes the blocks of its peer ``core_id`` (asked on the transport's loop)."""
+
+    async def ask() -> str | None:
+        return t.agent.transport.direct_kind(core_id)
+
+    return asyncio.run_coroutine_threadsafe(ask(), t.loop).result(WRITE_DEADLINE_S)
 
 
 def busy(seconds: float) -> int:
@@ -107,10 +119,13 @@ def main(argv: list[str]) -> None:
             request = json.loads(line)
             try:
                 if request["cmd"] == "connect":
+                    kinds = []
                     for i, (t, peer) in enumerate(zip(transports, request["peers"], strict=True)):
-                        t.add_remote_peer(f"recv-{i}", bytes.fromhex(peer["metadata"]), int(peer["base_addr"]),
+                        metadata = bytes.fromhex(peer["metadata"])
+                        t.add_remote_peer(f"recv-{i}", metadata, int(peer["base_addr"]),
                                           int(peer["num_blocks"]), int(peer["block_len"]))
-                    say({"connected": len(transports)})
+                        kinds.append(_direct_kind(t, decode_agent_metadata(metadata).peer_id))
+                    say({"connected": len(transports), "direct": kinds})
                 elif request["cmd"] == "run":
                     index = int(request["index"])
                     say({"ns": _timed_writes(transports[index], f"recv-{index}", request)})

@@ -1,10 +1,12 @@
 """The facade contender: :class:`~omni_async.compat.SyncDataTransport` polled like NIXL.
 
 A receiver and a sender process (``bench.compat_peer``), one transport per geometry on each
-side, same-host defaults.  Rows ``compat_a``, ``compat_b``, ``compat_c`` repeat workloads a, b
-and c through the facade in two poll modes (see :mod:`bench.compat_peer`): ``tight`` and
-``step``.  Iteration counts are capped (:data:`MAX_ITERS`) and each timed loop is time-boxed
-(``budget_s``): the facade was once ~400× slower than the async path under a tight poll.
+side, same-host defaults; each side's view maps a ``/dev/shm`` file, which the receiver offers
+as that file, so the sender maps it (the ``"file"`` same-host lane, reported in ``config``).
+Rows ``compat_a``, ``compat_b``, ``compat_c`` repeat workloads a, b and c through the facade in
+two poll modes (see :mod:`bench.compat_peer`): ``tight`` and ``step``.  Iteration counts are
+capped (:data:`MAX_ITERS`) and each timed loop is time-boxed (``budget_s``): the facade was
+once ~400× slower than the async path under a tight poll.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ class CompatSide:
     def __init__(self) -> None:
         self._sender: Child | None = None
         self._index: dict[str, int] = {}
+        self._direct: list[str | None] = []
 
     @property
     def config(self) -> dict[str, object]:
         return {"mode": SHM.name, "poll_modes": list(POLL_MODES), "step_us": round(STEP_S * 1e6),
-                "max_iters": MAX_ITERS, "budget_s": {"full": BUDGET_S[False], "quick": BUDGET_S[True]}}
+                "max_iters": MAX_ITERS, "budget_s": {"full": BUDGET_S[False], "quick": BUDGET_S[True]},
+                "direct": dict(zip(self._index, self._direct, strict=False))}
 
     async def start(self, children: Children, src: ShmFile, dst: ShmFile, geometries: list[Geometry]) -> CompatSide:
         def spec(role: str, file: ShmFile) -> str:
@@ -48,8 +52,9 @@ class CompatSide:
 
         receiver = await children.start("bench.compat_peer", ["recv", spec("recv", dst)])
         self._sender = await children.start("bench.compat_peer", ["send", spec("send", src)])
-        await self._sender.request({"cmd": "connect", "peers": receiver.ready["peers"]})
+        connected = await self._sender.request({"cmd": "connect", "peers": receiver.ready["peers"]})
         self._index = {g.name: i for i, g in enumerate(geometries)}
+        self._direct = list(connected["direct"])
         return self
 
     async def time_writes(

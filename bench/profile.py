@@ -10,6 +10,7 @@ them again under cProfile and prints the functions that take the most time *per 
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import time
@@ -26,13 +27,16 @@ BLOCK_LEN = 64 * 1024
 MESSAGE_BYTES = 9088  # 8.9 KiB, the chunk_8k frame
 
 
-async def _pair() -> tuple[Agent, Agent]:
+async def _pair(stack: contextlib.AsyncExitStack) -> Agent:
+    """A connected sender whose receiver ("rx") drops messages; both are closed by ``stack``."""
     config = {"ucx_net_devices": "lo", "heartbeat_timeout": 30.0}
-    rx = await Agent(BlockRegion.allocate(16, BLOCK_LEN), AgentConfig(peer_id="rx", **config)).start()
-    tx = await Agent(BlockRegion.allocate(16, BLOCK_LEN), AgentConfig(peer_id="tx", **config)).start()
+    rx, tx = [
+        await stack.enter_async_context(Agent(BlockRegion.allocate(16, BLOCK_LEN), AgentConfig(peer_id=name, **config)))
+        for name in ("rx", "tx")
+    ]
     await tx.connect(rx.control_address)
     rx.set_message_sink(lambda _peer, _key, _meta, _frames: None)
-    return tx, rx
+    return tx
 
 
 def _transfer(tx: Agent, kind: str) -> Callable[[], Awaitable[None]]:
@@ -49,8 +53,8 @@ def _transfer(tx: Agent, kind: str) -> Callable[[], Awaitable[None]]:
 
 async def run_profile(kind: str, writes: int, top: int) -> dict[str, Any]:
     """Time ``writes`` transfers, then profile as many; return the report."""
-    tx, rx = await _pair()
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        tx = await _pair(stack)
         one = _transfer(tx, kind)
         for _ in range(200):  # warm-up: lanes wired, pages touched
             await one()
@@ -64,9 +68,6 @@ async def run_profile(kind: str, writes: int, top: int) -> dict[str, Any]:
         for _ in range(writes):
             await one()
         profiler.disable()
-    finally:
-        await tx.close()
-        await rx.close()
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
     functions = [

@@ -1,4 +1,5 @@
-"""Anonymous, sealed shared memory for block regions: a ``memfd`` mapped ``MAP_SHARED``.
+"""Shared memory for block regions: an anonymous, sealed ``memfd`` mapped ``MAP_SHARED``, or
+the tmpfs file a caller's buffer already maps (:class:`SharedFile`).
 
 A :class:`SharedSegment` is never named in ``/dev/shm`` or anywhere else in the file system:
 the kernel frees it when its last file descriptor and its last mapping are gone, so nothing
@@ -10,18 +11,25 @@ same host checks before it maps the segment (see :mod:`omni_async.transport.shar
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import logging
 import mmap
 import os
 import secrets
+import stat
 import weakref
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+log = logging.getLogger(__name__)
+
 NAME_PREFIX: Final = "omni-"
 SIZE_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+TMPFS_MAGIC: Final = 0x01021994
+"""``statfs.f_type`` of tmpfs (``/dev/shm``, memfds): memory, never a disk (no I/O errors)."""
 
 
 def link_name(token: str) -> str:
@@ -64,3 +72,136 @@ class SharedSegment:
         """Close the file descriptor (peers can no longer open the segment; existing mappings,
         ours and theirs, stay valid).  Idempotent."""
         self._closer()
+
+
+class SharedFile:
+    """The tmpfs file that a caller's buffer is a ``MAP_SHARED`` mapping of (a file in
+    ``/dev/shm``, or a memfd), opened here so that peers on this host can map it too.
+
+    :meth:`find` looks the buffer up in ``/proc/self/maps``; the descriptor it opens names
+    the file by ``inode`` (checked against the mapping), and the buffer starts ``offset``
+    bytes into it.  Every page of the buffer's range is allocated at once
+    (``posix_fallocate``), so a peer's write can never meet a full tmpfs (SIGBUS).  Unlike a
+    :class:`SharedSegment`, the file is not sealed: its owner could shrink it, which is why a
+    peer checks its size before each copy (see :mod:`omni_async.transport.shared`).
+
+    A file's name proves nothing about who offers it, so next to it an empty memfd named by a
+    random ``token`` (:func:`link_name`) stays open as ``proof_fd``: a peer that finds that
+    name at ``/proc/<pid>/fd/<proof_fd>`` knows ``pid`` offered the file, not a process the
+    other side named (reading another process's descriptors needs the same access as opening
+    them).  Both descriptors stay open (close-on-exec) until :meth:`close` or garbage
+    collection; nothing is named in the file system.
+    """
+
+    __slots__ = ("__weakref__", "_closer", "fd", "inode", "offset", "proof_fd", "token")
+
+    def __init__(self, fd: int, inode: int, offset: int) -> None:
+        self.token = secrets.token_hex(16)
+        self.proof_fd = os.memfd_create(NAME_PREFIX + self.token, os.MFD_CLOEXEC)
+        self.fd = fd
+        self.inode = inode
+        self.offset = offset
+        self._closer = weakref.finalize(self, _close_both, fd, self.proof_fd)
+
+    @classmethod
+    def find(cls, address: int, size: int) -> SharedFile | None:
+        """The shared tmpfs file mapped writable at ``[address, address + size)`` in this
+        process, opened; None if that range is not one such mapping (private memory, a disk
+        file, a read-only or private mapping, several mappings) or the file cannot be opened
+        and allocated (logged)."""
+        found = _mapping_of(address, size)
+        if found is None:
+            return None
+        start, file_offset, device, inode, path = found
+        offset = file_offset + address - start
+        fd = _open_file(device, inode, path)
+        if fd is None:
+            log.info("no shared file for the region at %#x: cannot open %r (inode %d)", address, path, inode)
+            return None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or fs_type(fd) != TMPFS_MAGIC or info.st_size < offset + size:
+                raise OSError(f"{path!r} is not a regular tmpfs file covering the region")
+            os.posix_fallocate(fd, offset, size)
+            return cls(fd, inode, offset)
+        except OSError as exc:
+            os.close(fd)
+            log.info("no shared file for the region at %#x: %s", address, exc)
+            return None
+
+    @property
+    def shareable(self) -> bool:
+        """True until :meth:`close`: peers can still open the file through our descriptor."""
+        return self._closer.alive
+
+    def close(self) -> None:
+        """Close the descriptor (mappings, ours and peers', stay valid).  Idempotent."""
+        self._closer()
+
+
+def _close_both(fd: int, proof_fd: int) -> None:
+    os.close(fd)
+    os.close(proof_fd)
+
+
+def _mapping_of(address: int, size: int) -> tuple[int, int, int, int, str] | None:
+    """``(start, file offset, device, inode, path)`` of the shared, writable file mapping
+    of this process that holds all of ``[address, address + size)``, or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            span, perms, file_offset, dev, inode = fields[:5]
+            low, _, high = span.partition("-")
+            start, end = int(low, 16), int(high, 16)
+            if not start <= address < end:
+                continue
+            if address + size > end or not perms.startswith("rw") or perms[3] != "s" or inode == "0":
+                return None
+            major, _, minor = dev.partition(":")
+            path = fields[5].rstrip("\n") if len(fields) > 5 else ""
+            device = os.makedev(int(major, 16), int(minor, 16))
+            return start, int(file_offset, 16), device, int(inode), path
+    return None
+
+
+def _open_file(device: int, inode: int, path: str) -> int | None:
+    """A read-write descriptor of the file ``(device, inode)``: reopened from a descriptor of
+    this process that holds it (a memfd, or a file a mapping keeps open), else from ``path``;
+    None if neither is that file."""
+    candidates = [f"/proc/self/fd/{name}" for name in os.listdir("/proc/self/fd")]
+    if path.startswith("/") and not path.endswith(" (deleted)"):
+        candidates.append(path)
+    for candidate in candidates:
+        try:
+            info = os.stat(candidate)
+        except OSError:
+            continue
+        if (info.st_dev, info.st_ino) != (device, inode) or not stat.S_ISREG(info.st_mode):
+            continue
+        try:
+            fd = os.open(candidate, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+        except OSError:
+            continue
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) == (device, inode):
+            return fd
+        os.close(fd)
+    return None
+
+
+class _StatFs(ctypes.Structure):
+    _fields_ = (("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112))
+
+
+_fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
+_fstatfs.argtypes = [ctypes.c_int, ctypes.POINTER(_StatFs)]
+_fstatfs.restype = ctypes.c_int
+
+
+def fs_type(fd: int) -> int:
+    """``f_type`` of the file system holding ``fd`` (``fstatfs``)."""
+    result = _StatFs()
+    if _fstatfs(fd, ctypes.byref(result)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(result.f_type) & 0xFFFFFFFF

@@ -3,7 +3,9 @@
 A :class:`BlockRegion` is a ``num_blocks × block_len`` uint8 array.  Remote peers write into it
 (the transport posts receives straight into its row slices), so it must stay alive and must not
 be resized while a transport uses it.  An allocated region lives in shared memory that peers
-on the same host may map (:mod:`omni_async.memfd`); building one is the only I/O here.
+on the same host may map (:mod:`omni_async.memfd`); a wrapped one may already (a shared
+mapping of a tmpfs file: :meth:`BlockRegion.shared_file`).  Building the one and finding the
+other are the only I/O here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import ConfigError, InvalidBlocks
-from .memfd import SharedSegment
+from .memfd import SharedFile, SharedSegment
 from .wire import MAX_LAYERS
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class BlockRegion:
     into it.
     """
 
-    __slots__ = ("_array", "_segment")
+    __slots__ = ("_array", "_file", "_segment")
 
     def __init__(self, array: npt.NDArray[np.uint8], segment: SharedSegment | None = None) -> None:
         if not isinstance(array, np.ndarray) or array.ndim != 2 or array.dtype != np.uint8:
@@ -64,6 +66,8 @@ class BlockRegion:
             raise ConfigError(f"a block region needs at least one block of one byte, got {array.shape}")
         self._array = array
         self._segment = segment
+        # The tmpfs file a wrapped region maps: False until looked up (never, if allocated)
+        self._file: SharedFile | bool | None = None if segment is not None else False
 
     @classmethod
     def allocate(cls, num_blocks: int, block_len: int) -> BlockRegion:
@@ -111,6 +115,23 @@ class BlockRegion:
     def segment(self) -> SharedSegment | None:
         """The shared memory the region lives in (allocated regions), or None (wrapped ones)."""
         return self._segment
+
+    def shared_file(self) -> SharedFile | None:
+        """For a wrapped region that is a shared, writable mapping of a tmpfs file (``/dev/shm``
+        or a memfd: e.g. ``np.memmap`` of a ``/dev/shm`` file), that file, opened so that
+        peers on this host can map it (looked up in ``/proc/self/maps`` on the first call,
+        then kept, with its descriptor, as long as the region lives); None otherwise (an
+        allocated region: see :attr:`segment`)."""
+        if self._file is False:
+            self._file = SharedFile.find(self.base_addr, self.nbytes)
+        return self._file if isinstance(self._file, SharedFile) else None
+
+    def release_shared_file(self) -> None:
+        """Close the descriptor :meth:`shared_file` opened, if it did (peers' mappings stay
+        valid; a later :meth:`shared_file` looks the file up again).  Idempotent."""
+        if isinstance(self._file, SharedFile):
+            self._file.close()
+            self._file = False
 
     @property
     def num_blocks(self) -> int:

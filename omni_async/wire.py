@@ -76,18 +76,24 @@ class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=T
 class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """How a peer on the same host may write this side's region with one copy.
 
-    ``pid`` is the advertising process.  With ``fd >= 0``, ``fd`` and ``token`` name the sealed
-    memfd its region lives in (:mod:`omni_async.memfd`), which the peer maps through
-    ``/proc/<pid>/fd/<fd>`` after checking the token.  With ``fd == -1`` the peer may write the
-    region at ``base_addr`` with ``process_vm_writev`` once it has read ``token`` at
-    ``proof_addr`` in that process (proof that ``pid`` is the peer, not a process it names).
-    See :mod:`omni_async.transport.shared`.
+    ``pid`` is the advertising process.  With ``fd >= 0`` and ``inode == 0``, ``fd`` and
+    ``token`` name the sealed memfd its region lives in (:mod:`omni_async.memfd`), which the
+    peer maps through ``/proc/<pid>/fd/<fd>`` after checking the token.  With ``fd >= 0`` and
+    ``inode > 0``, ``fd`` is the tmpfs file (``inode``) that a wrapped region is a shared
+    mapping of, the region starting ``offset`` bytes into it, and ``proof_fd`` an empty memfd
+    named by ``token`` that proves ``pid`` offers it (:class:`omni_async.memfd.SharedFile`).
+    With ``fd == -1`` the peer may write the region at ``base_addr`` with
+    ``process_vm_writev`` once it has read ``token`` at ``proof_addr`` in that process (proof
+    that ``pid`` is the peer, not a process it names).  See :mod:`omni_async.transport.shared`.
     """
 
     pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
     fd: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
     token: Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{32})?$")] = ""
     proof_addr: NonNeg = 0
+    inode: NonNeg = 0
+    offset: NonNeg = 0
+    proof_fd: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
 
 
 class Layer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

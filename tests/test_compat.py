@@ -8,6 +8,7 @@ cannot acknowledge, which makes "still in flight" deterministic without sleeping
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import hashlib
 import json
@@ -301,9 +302,11 @@ def test_unknown_cancel_mode_is_refused(make_transport):
 
 
 # -- a peer in another process -------------------------------------------------------------------------
-def _child_main(conn: Any, peer_id: str, num_blocks: int, block_len: int) -> None:
-    """A SyncDataTransport in a spawned process, answering commands sent over ``conn``."""
-    memory = np.zeros((num_blocks, block_len), dtype=np.uint8)
+def _child_main(conn: Any, peer_id: str, num_blocks: int, block_len: int, path: str | None = None) -> None:
+    """A SyncDataTransport in a spawned process, answering commands sent over ``conn``; its
+    memory is a shared mapping of the file ``path`` if given (e.g. in ``/dev/shm``)."""
+    memory = np.zeros((num_blocks, block_len), dtype=np.uint8) if path is None else \
+        np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, block_len)).view(np.ndarray)
     baseline = set(threading.enumerate())
     t = SyncDataTransport(memoryview(memory), config=config(peer_id))
     started = sorted(th.name for th in set(threading.enumerate()) - baseline)
@@ -339,10 +342,11 @@ def _child_main(conn: Any, peer_id: str, num_blocks: int, block_len: int) -> Non
 class Child:
     """Handle on a ``_child_main`` process."""
 
-    def __init__(self, peer_id: str) -> None:
+    def __init__(self, peer_id: str, path: str | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child_conn, peer_id, NUM_BLOCKS, BLOCK_LEN), daemon=True)
+        self.proc = ctx.Process(target=_child_main, args=(child_conn, peer_id, NUM_BLOCKS, BLOCK_LEN, path),
+                                daemon=True)
         self.proc.start()
         child_conn.close()
         assert self.conn.poll(30), "child did not start"
@@ -386,11 +390,11 @@ class Child:
 
 
 @pytest.fixture
-def child() -> Iterator[Callable[[str], Child]]:
+def child() -> Iterator[Callable[..., Child]]:
     children: list[Child] = []
 
-    def factory(peer_id: str) -> Child:
-        c = Child(peer_id)
+    def factory(peer_id: str, path: str | None = None) -> Child:
+        c = Child(peer_id, path)
         children.append(c)
         return c
 
@@ -482,6 +486,85 @@ def test_cancel_wait_and_immediate_then_peer_death(make_transport, child):
     assert poll_until(t, {doomed}) == PollResult([], [doomed])
     assert isinstance(t.failure_reason(doomed), OmniAsyncError)
     assert t.write_blocks("child", [0], [0]) is None
+
+
+def direct_kind(t: SyncDataTransport, core_id: str) -> str | None:
+    """How ``t``'s agent writes blocks into the peer ``core_id`` (asked on the facade's loop)."""
+
+    async def ask() -> str | None:
+        return t.agent.transport.direct_kind(core_id)
+
+    return asyncio.run_coroutine_threadsafe(ask(), t.loop).result(DEADLINE_S)
+
+
+def test_a_peer_whose_view_maps_a_dev_shm_file_is_written_through_a_mapping(make_transport, child):
+    """The peer's memory is a shared mapping of a /dev/shm file (as a NIXL-style caller may
+    register): its facade offers the file, ours maps it and copies each block once (no
+    process_vm_writev); the bytes arrive, and a peer killed mid-write is reported failed."""
+    path = f"/dev/shm/omni-test-compat-{os.getpid()}-{time.monotonic_ns()}"
+    with open(path, "wb") as f:
+        f.truncate(NUM_BLOCKS * BLOCK_LEN)
+    try:
+        mem = block_memory(seed=15)
+        t = make_transport(mem, "shm-p")
+        c = child("shm-c", path)
+        pair_with_child(t, c)
+        assert direct_kind(t, "shm-c") == "file"
+        local, remote = [1, 2, 3, 20], [4, 5, 6, 0]
+        tid = t.write_blocks("child", local, remote)
+        assert poll_until(t, {tid}) == PollResult([tid], [])
+        got = np.frombuffer(c.call("read", remote), dtype=np.uint8).reshape(len(remote), BLOCK_LEN)
+        assert np.array_equal(got, mem[local])
+        theirs = np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN))
+        assert np.array_equal(theirs[remote], mem[local])
+
+        everything = list(range(NUM_BLOCKS))
+        c.signal(signal.SIGSTOP)  # it cannot acknowledge: the write stays in flight
+        doomed = t.write_blocks("child", everything, everything)
+        c.signal(signal.SIGKILL)
+        assert poll_until(t, {doomed}) == PollResult([], [doomed])
+        assert isinstance(t.failure_reason(doomed), PeerLost)
+        late = t.write_blocks("child", [0], [0])  # refused, or failed if the loss is still being processed
+        assert late is None or poll_until(t, {late}) == PollResult([], [late])
+    finally:
+        os.unlink(path)
+
+
+def test_a_transport_over_a_dev_shm_file_offers_it_and_lets_go_of_it_on_close():
+    """Our view maps a /dev/shm file: the transport holds a descriptor of it (peers map it
+    through that) and of the memfd that proves the offer while open, and neither once closed,
+    even while the object is still referenced."""
+    path = f"/dev/shm/omni-test-compat-{os.getpid()}-{time.monotonic_ns()}"
+    with open(path, "wb") as f:
+        f.truncate(NUM_BLOCKS * BLOCK_LEN)
+    try:
+        view = np.memmap(path, dtype=np.uint8, mode="r+", shape=(NUM_BLOCKS, BLOCK_LEN)).view(np.ndarray)
+        mapping_fds = fds_to(path)  # what the memmap itself holds
+        t = SyncDataTransport(memoryview(view), config=config("shm-own"))
+        try:
+            assert len(fds_to(path)) == len(mapping_fds) + 1
+            share = t.agent.identity.region_share
+            assert share is not None and share.inode == os.stat(path).st_ino
+            proof = f"/memfd:omni-{share.token} (deleted)"  # the memfd that proves the offer is ours
+            assert len(fds_to(proof)) == 1
+        finally:
+            t.close()
+        assert fds_to(path) == mapping_fds and fds_to(proof) == []
+        t.close()
+    finally:
+        os.unlink(path)
+
+
+def fds_to(path: str) -> list[int]:
+    """This process's descriptors that point to ``path``."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == path:
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
 
 
 # -- a caller that never sleeps -----------------------------------------------------------------------

@@ -228,7 +228,8 @@ def test_vm_writer_to_an_exited_process_raises_esrch_and_this_process_lives():
 def test_region_share_is_validated_on_the_wire():
     good = RegionShare(pid=5, fd=3, token="a" * 32)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(good), type=RegionShare) == good
-    for bad in ([5, 3, "../../x"], [0, 3, ""], [5, -2, ""], [5, 3, "A" * 32, 1], [5, -1, "", -1], [5, 3, "", 0, 1]):
+    for bad in ([5, 3, "../../x"], [0, 3, ""], [5, -2, ""], [5, 3, "A" * 32, 1], [5, -1, "", -1], [5, 3, "", 0, -1],
+                [5, 3, "", 0, 1, -1], [5, 3, "", 0, 1, 0, -2], [5, 3, "", 0, 1, 0, 4, 1]):
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.decode(msgspec.msgpack.encode(bad), type=RegionShare)
     from omni_async.handshake import LocalIdentity

@@ -106,9 +106,12 @@ class _Engine:
         self.ids = itertools.count(1)  # locked: the facade's transfer ids
         self.handles: dict[int, Transfer] = {}  # loop thread only: id -> core transfer, until settled
         self.agent: Agent | None = None
+        self.region: BlockRegion | None = None
         self.portal = Portal(f"omni-sync-{config.peer_id}", "SyncDataTransport", use_uvloop=use_uvloop)
 
     def start(self, region: BlockRegion) -> Agent:
+        self.region = region
+
         async def start_agent() -> Agent:
             agent = Agent(region, self.config)
             agent.add_peer_listener(self.on_peer_event)
@@ -118,9 +121,12 @@ class _Engine:
         return self.portal.run(start_agent(), _START_TIMEOUT_S, "starting the agent")
 
     def shutdown(self) -> None:
-        """Close the agent (failing what is in flight) to its end, stop the loop, join its thread."""
+        """Close the agent (failing what is in flight) to its end, stop the loop, join its thread;
+        close the descriptor of the caller's region file if the agent offered one to peers."""
         agent = self.agent
         self.portal.stop(agent.close if agent is not None else None, _CLOSE_BUDGET_S)
+        if self.region is not None:
+            self.region.release_shared_file()
         with self.portal.lock:
             self.inflight.clear()
             self.settled.clear()
@@ -260,7 +266,11 @@ class SyncDataTransport(Facade):
         view: a writeable, C-contiguous 2-D memoryview (``num_blocks × block_len`` bytes) over the
             local block storage.  The caller owns the memory; the transport keeps a reference
             and, once peers are added, peers may write into any block at any time.  A block
-            passed to :meth:`write_blocks` must not change until its id is polled.
+            passed to :meth:`write_blocks` must not change until its id is polled.  A view that
+            is a shared mapping of a tmpfs file (``/dev/shm``, a memfd) is offered to peers on
+            this host as that file, which they map (one copy; see
+            :meth:`~omni_async.region.BlockRegion.shared_file`): the transport then holds a
+            descriptor of it until :meth:`close`.
         config_fields: model config values hashed into :attr:`config_fingerprint` (None or
             empty: compatible with any peer).  Overrides ``config.config_fields`` when given.
         config: agent settings (control-plane host/port, timeouts, UCX transports, peer id,

@@ -12,6 +12,16 @@ Between two processes on one host, UCX's shared-memory rendezvous copies every b
   ``SCM_RIGHTS``: no second connection to set up, authenticate and tear down next to the
   control plane, and the kernel applies the same rule as for ``process_vm_writev`` (ptrace
   read access to the peer), so both variants need the same permission;
+* into the peer's region mapped into this process (:class:`MappedFile`), when the peer's
+  region is a caller's buffer that is itself a shared mapping of a tmpfs file (a file in
+  ``/dev/shm``, a memfd: :class:`~omni_async.memfd.SharedFile`).  The peer advertises
+  ``(pid, fd, inode, offset, token, proof_fd)``; we check that ``/proc/<pid>/fd/<proof_fd>``
+  is the empty memfd named by the token (proof that ``pid`` is the peer: a file's own name
+  proves nothing, and the peer could otherwise point our writes at a file of a process it
+  cannot write itself), open ``/proc/<pid>/fd/<fd>``, check it is a regular tmpfs file with
+  that inode holding the region's bytes at ``offset``, and map that range.  Such a
+  file is not sealed, so its owner could shrink it under our mapping: the writer keeps its
+  descriptor and checks the size before each copy (see the trust model);
 * else with ``process_vm_writev`` into the peer's region at its ``base_addr``
   (:class:`~.vmwrite.VmWriter`), once the peer proved the pid is its own: we read, in that
   process, the random token it advertised at the address it advertised (so a peer cannot
@@ -23,7 +33,8 @@ settles only on the receiver's acknowledgement.  No message makes the receiver w
 
 Failure rules: our mapping keeps the peer's pages alive, so a peer killed mid-copy costs
 nothing here (its awaiters fail with PeerLost from the control plane, as over UCX); a memfd
-is never named in ``/dev/shm``, so a killed process leaks nothing.
+is never named in ``/dev/shm``, so a killed process leaks nothing (a shared tmpfs file is the
+caller's: we create none and only hold a descriptor and a mapping of it while the peer is).
 
 Trust model: a peer that maps our region (or may ``process_vm_writev`` into us) can write
 any row of it at any time, as a process that may ptrace us could.  The lane is only offered
@@ -33,6 +44,7 @@ loopback demo), and ``AgentConfig.same_host_lane = False`` turns it off.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -45,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..handshake import PeerInfo
-from ..memfd import SIZE_SEALS, link_name
+from ..memfd import SIZE_SEALS, TMPFS_MAGIC, fs_type, link_name
 from ..region import BlockRegion, Run
 from ..wire import RegionShare
 from .vmwrite import VmWriter, permit_writers, proof
@@ -58,7 +70,7 @@ class DirectWriter(Protocol):
 
     @property
     def kind(self) -> str:
-        """How (``memfd`` or ``process_vm_writev``), for logs and tests."""
+        """How (``memfd``, ``file`` or ``process_vm_writev``), for logs and tests."""
 
     @property
     def num_blocks(self) -> int:
@@ -123,6 +135,82 @@ class MappedRegion:
             mapping.close()
 
 
+class MappedFile(MappedRegion):
+    """A peer's region that is a shared mapping of a tmpfs file (not sealed), mapped here.
+
+    The file's owner could shrink it, and a copy into a page past its end would kill this
+    process (SIGBUS): so the descriptor stays open and :meth:`place` and :meth:`fetch` check
+    the file still covers the region first (an ``fstat``; a shrink that lands between that
+    check and the copy is the residual risk, see docs/reliability.md).
+    """
+
+    kind: Final = "file"  # type: ignore[misc]
+
+    def __init__(self, share: RegionShare, num_blocks: int, block_len: int) -> None:
+        """Open, check and map the file the peer advertised; raise :class:`Refused`."""
+        self.num_blocks = num_blocks
+        self._end = share.offset + num_blocks * block_len
+        if share.proof_fd < 0 or not share.token:
+            raise Refused("the peer offered a file without proof that it is the peer's")
+        _check_link(f"/proc/{share.pid}/fd/{share.proof_fd}", link_name(share.token))
+        self._fd = open_tmpfs_file(share.pid, share.fd, share.inode, self._end)
+        try:
+            start = share.offset - share.offset % mmap.ALLOCATIONGRANULARITY
+            self._mapping = mmap.mmap(self._fd, self._end - start, flags=mmap.MAP_SHARED,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._rows = np.frombuffer(self._mapping, np.uint8, num_blocks * block_len, share.offset - start).reshape(
+            num_blocks, block_len
+        )
+
+    def _check_size(self) -> None:
+        if self._fd < 0 or os.fstat(self._fd).st_size < self._end:
+            self.close()
+            raise OSError(errno.EFAULT, "the peer's region file shrank under our mapping")
+
+    def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        self._check_size()
+        super().place(src, runs)
+
+    def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        self._check_size()
+        super().fetch(dst, runs)
+
+    def close(self) -> None:
+        super().close()
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def open_tmpfs_file(pid: int, fd: int, inode: int, size: int) -> int:
+    """Open (read-write, close-on-exec) the regular tmpfs file ``inode`` that process ``pid``
+    holds as ``fd``, of at least ``size`` bytes; raise :class:`Refused` otherwise."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        info = os.stat(path)  # before opening: never open something else (a device, a fifo)
+    except OSError as exc:
+        raise Refused(f"cannot stat {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_ino != inode:
+        raise Refused(f"{path} is not the advertised file (inode {inode})")
+    try:
+        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise Refused(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(opened)  # the fd number was not reused meanwhile
+        if not stat.S_ISREG(info.st_mode) or info.st_ino != inode or fs_type(opened) != TMPFS_MAGIC:
+            raise Refused(f"{path} is not the advertised tmpfs file (inode {inode})")
+        if info.st_size < size:
+            raise Refused(f"{path} holds {info.st_size} bytes, the region needs {size}")
+    except BaseException:
+        os.close(opened)
+        raise
+    return opened
+
+
 def map_memfd(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
     """Map (shared, read-write) the sealed memfd ``fd`` of process ``pid`` named by ``token``
     (:mod:`omni_async.memfd`), of exactly ``size`` bytes; raise :class:`Refused` otherwise.
@@ -176,11 +264,16 @@ def _check_link(path: str, expected: str) -> None:
 
 
 def advertise(region: BlockRegion) -> RegionShare | None:
-    """What this process offers same-host peers for ``region``: its memfd if it has one, else
-    ``process_vm_writev`` access (None if the kernel forbids even that)."""
+    """What this process offers same-host peers for ``region``: its memfd if it has one, the
+    tmpfs file a wrapped region maps if there is one, else ``process_vm_writev`` access (None
+    if the kernel forbids even that)."""
     segment = region.segment
     if segment is not None and segment.shareable:
         return RegionShare(pid=os.getpid(), fd=segment.fd, token=segment.token)
+    file = region.shared_file()
+    if file is not None and file.shareable:
+        return RegionShare(pid=os.getpid(), fd=file.fd, token=file.token, inode=file.inode, offset=file.offset,
+                           proof_fd=file.proof_fd)
     if not permit_writers():
         return None
     token, address = proof()
@@ -244,6 +337,8 @@ def open_writer(peer: PeerInfo, host_id: str) -> DirectWriter | None:
     if share is None or not host_id or peer.host_id != host_id:
         return None
     try:
+        if share.fd >= 0 and share.inode:
+            return MappedFile(share, peer.num_blocks, peer.block_len)
         if share.fd >= 0:
             return MappedRegion(share, peer.num_blocks, peer.block_len)
         return VmWriter(share.pid, peer.base_addr, peer.num_blocks, share.token, share.proof_addr)

@@ -482,7 +482,7 @@ class UcxTransport:
         return self._link(peer_id).lane
 
     def direct_kind(self, peer_id: str) -> str | None:
-        """How blocks reach the joined peer's region in one copy (``"memfd"``, ``"vm"``, see
+        """How blocks reach the joined peer's region in one copy (``"memfd"``, ``"file"``, ``"vm"``, see
         :mod:`.shared`), or None when they travel through UCX; raises :class:`UnknownPeer`."""
         direct = self._link(peer_id).direct
         return None if direct is None else direct.kind
