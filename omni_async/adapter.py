@@ -2,9 +2,10 @@
 
 It replaces the seed adapter's save thread, recv thread and polled finished/failed sets:
 
-* ``save_async(request_id, chunk, final=...)`` queues a chunk and returns a future; one save
-  task (woken by the queue, never by a timer) sends queued chunks in order, at most
-  ``max_in_flight`` unacknowledged at a time, so a slow receiver back-pressures the sender.
+* ``save_async(request_id, chunk, final=...)`` sends a chunk and returns a future: at once when
+  the window has room and nothing is queued, else through a queue that one save task (woken
+  by the queue, never by a timer) sends in order; at most ``max_in_flight`` are
+  unacknowledged at a time, so a slow receiver back-pressures the sender.
   The future resolves when the receiver acknowledged the chunk, or fails with the reason.
 * ``load_async(request_id)`` returns a future for the request's next chunk;
   ``stream(request_id)`` iterates the chunks in order and ends after the ``final`` one.  The
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -41,10 +42,17 @@ from .transport import Transfer
 
 log = logging.getLogger(__name__)
 
+_EARLY = 1e-3
+"""A stall timer that fires this close to its request's ``due`` counts as on time."""
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One received chunk: ``data`` is the payload mapping the sender saved."""
+    """One received chunk: ``data`` is the payload mapping the sender saved.
+
+    Its arrays are the receiver's: large ones from a same-host peer are views of the agent's
+    receive pool (:mod:`omni_async.transport.pool`), reused only after the last reference to
+    them is dropped; keeping them long only makes later chunks arrive in fresh arrays."""
 
     request_id: str
     index: int
@@ -68,7 +76,10 @@ class _Incoming:
 
     next_index: int = 0
     waiters: deque[asyncio.Future[Chunk]] = field(default_factory=deque)
+    due: float | None = None
+    """Loop time at which the request stalls unless a chunk comes first; None: not watched."""
     timer: asyncio.TimerHandle | None = None
+    """The one timer that checks :attr:`due` (a chunk only moves ``due``: no timer per chunk)."""
 
 
 class TransferAdapter:
@@ -104,6 +115,8 @@ class TransferAdapter:
         self._unsettled: set[asyncio.Future[None]] = set()
         self._incoming: dict[str, _Incoming] = {}
         self._save_task: asyncio.Task[None] | None = None
+        self._blocked = False
+        """The save loop holds a save that waits for room in the window (later ones queue)."""
         self._broken = ""
         """Why the adapter broke (its save loop died); empty while it works."""
         self._closing = False
@@ -112,7 +125,7 @@ class TransferAdapter:
 
     # -- saving -----------------------------------------------------------------------------
     def save_async(self, request_id: str, chunk: Payload, *, final: bool = False) -> asyncio.Future[None]:
-        """Queue ``chunk`` as the request's next chunk; the future resolves on the receiver's ack.
+        """Send (or queue) ``chunk`` as the request's next chunk; the future resolves on the receiver's ack.
 
         The chunk's arrays are borrowed until then.  A chunk that cannot travel fails its own
         future with ``TypeError``; later saves are unaffected.  Raises :class:`ClosedError`
@@ -138,31 +151,52 @@ class TransferAdapter:
             self._next_save[request_id] = index + 1
         future: asyncio.Future[None] = self._loop.create_future()
         self._unsettled.add(future)  # until _settle (no done callbacks: each would cost a loop hop)
-        self._queue.put_nowait(_Save(request_id, index, chunk, final, cancelled, future))
+        item = _Save(request_id, index, chunk, final, cancelled, future)
+        if not self._blocked and self._queue.empty() and self._take_share():
+            self._send(item)  # nothing ahead of it and room in the window: now, no loop hop
+            return future
+        self._queue.put_nowait(item)
         if self._save_task is None:
             self._save_task = self._loop.create_task(self._save_loop(), name=f"omni-adapter-save-{self.stage}")
             self._save_task.add_done_callback(self._save_loop_ended)
         return future
 
     async def _save_loop(self) -> None:
-        """Send queued saves in order.  A save that cannot start fails its own future (a payload
-        the codec cannot carry: ``TypeError``); the loop goes on with the next one."""
-        assert self.peer_id is not None
+        """Send the saves that found the window full or others queued ahead of them, in order
+        (:attr:`_blocked` while one waits for the window, so later saves queue behind it)."""
         while True:
             item = await self._queue.get()
-            await self._window.acquire()
-            envelope = {"final": item.final, "cancelled": item.cancelled, "data": item.data}
-            try:
-                transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), envelope)
-            except Exception as exc:
-                self._window.release()
-                if isinstance(exc, UnknownPeer):
-                    exc = PeerLost(f"destination {self.peer_id!r} is not connected")
-                elif not isinstance(exc, (OmniAsyncError, TypeError, ValueError)):
-                    log.error("save %d of %r could not start", item.index, item.request_id, exc_info=exc)
-                self._settle(item.future, exc)
-                continue
-            transfer.add_done_callback(partial(self._saved, item.future))
+            if not _acquire_nowait(self._window):
+                self._blocked = True
+                try:
+                    await self._window.acquire()
+                finally:
+                    self._blocked = False
+            self._send(item)
+
+    def _take_share(self) -> bool:
+        """A share of the window without waiting, for a save that may go at once."""
+        try:
+            return _acquire_nowait(self._window)
+        except Exception:  # a broken window: the save loop meets it too and breaks the adapter loudly
+            return False
+
+    def _send(self, item: _Save) -> None:
+        """Start one save (its window share taken).  A save that cannot start fails its own
+        future (a payload the codec cannot carry: ``TypeError``) and frees its share."""
+        assert self.peer_id is not None
+        envelope = {"final": item.final, "cancelled": item.cancelled, "data": item.data}
+        try:
+            transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), envelope)
+        except Exception as exc:
+            self._window.release()
+            if isinstance(exc, UnknownPeer):
+                exc = PeerLost(f"destination {self.peer_id!r} is not connected")
+            elif not isinstance(exc, (OmniAsyncError, TypeError, ValueError)):
+                log.error("save %d of %r could not start", item.index, item.request_id, exc_info=exc)
+            self._settle(item.future, exc)
+            return
+        transfer.add_done_callback(partial(self._saved, item.future))
 
     def _save_loop_ended(self, task: asyncio.Task[None]) -> None:
         """The save loop only ends when :meth:`close` cancels it; if it died anyway (or someone
@@ -212,10 +246,13 @@ class TransferAdapter:
             self._loaded(request_id, index, result, None, buffered)
             return result
         payload = self.connector.wait_for(key, source=self.source)
-        payload.add_done_callback(partial(self._arrived, request_id, index, result))
-        result.add_done_callback(partial(self._load_cancelled, request_id, index, payload))
-        if not payload.done() and state.timer is None:
-            state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
+        cancelled = partial(self._load_cancelled, request_id, index, payload)
+        result.add_done_callback(cancelled)  # its owner may give it up
+        payload.add_done_callback(partial(self._arrived, request_id, index, result, cancelled))
+        if not payload.done() and state.due is None:
+            state.due = self._loop.time() + self.options.stall_timeout
+            if state.timer is None:
+                state.timer = self._loop.call_at(state.due, self._stalled, request_id)
         return result
 
     async def load(self, request_id: str) -> Chunk:
@@ -231,8 +268,10 @@ class TransferAdapter:
                 return
 
     def _arrived(
-        self, request_id: str, index: int, result: asyncio.Future[Chunk], payload: asyncio.Future[dict[str, Any]]
+        self, request_id: str, index: int, result: asyncio.Future[Chunk],
+        cancelled: Callable[[asyncio.Future[Chunk]], None], payload: asyncio.Future[dict[str, Any]],
     ) -> None:
+        result.remove_done_callback(cancelled)  # settled from here now: it would only return, a loop turn later
         self._rearm(request_id, result)
         if payload.cancelled():
             result.cancel()
@@ -241,13 +280,14 @@ class TransferAdapter:
         self._loaded(request_id, index, result, error, payload.result() if error is None else None)
 
     def _rearm(self, request_id: str, result: asyncio.Future[Chunk]) -> None:
-        """A chunk came for ``result``: restart the request's stall clock if other loads wait."""
+        """A chunk came for ``result``: restart the request's stall clock if other loads wait,
+        else stop watching it (the armed timer, when it fires, finds that out)."""
         state = self._incoming.get(request_id)
-        if state is not None and state.timer is not None:
-            state.timer.cancel()
-            state.timer = None
+        if state is not None and state.due is not None:
             if any(not w.done() and w is not result for w in state.waiters):
-                state.timer = self._loop.call_later(self.options.stall_timeout, self._stalled, request_id)
+                state.due = self._loop.time() + self.options.stall_timeout
+            else:
+                state.due = None
 
     def _loaded(
         self, request_id: str, index: int, result: asyncio.Future[Chunk], error: BaseException | None,
@@ -299,18 +339,25 @@ class TransferAdapter:
         if not payload.done() and state.next_index == index + 1:
             payload.cancel()
             state.next_index = index
-            if not state.waiters and state.timer is not None:
-                state.timer.cancel()
-                state.timer = None
+            if not state.waiters:
+                state.due = None
         else:
             payload.cancel()
             self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
 
     def _stalled(self, request_id: str) -> None:
+        """The request's timer fired: it stalled if its ``due`` passed; else the timer is
+        armed again for ``due`` (moved by chunks meanwhile), or not at all (nothing waits)."""
         state = self._incoming.get(request_id)
         if state is None:
             return
         state.timer = None
+        if state.due is None:
+            return
+        if state.due - self._loop.time() > _EARLY:
+            state.timer = self._loop.call_at(state.due, self._stalled, request_id)
+            return
+        state.due = None
         self.stalls += 1
         self.cleanup(
             request_id,
@@ -376,6 +423,20 @@ class TransferAdapter:
 
     def _key(self, request_id: str, index: int) -> str:
         return f"{request_id}:{self.stage}:{index}"
+
+
+def _acquire_nowait(window: asyncio.Semaphore) -> bool:
+    """Take one share of ``window`` if that needs no wait (its ``acquire`` then completes on
+    its first step, as documented); False if it is locked (full, or others wait for it)."""
+    if window.locked():
+        return False
+    step = window.acquire()
+    try:
+        step.send(None)
+    except StopIteration:
+        return True
+    step.close()  # unreachable: an unlocked semaphore's acquire does not wait
+    raise RuntimeError("asyncio.Semaphore.acquire waited although the semaphore was not locked")
 
 
 def _fail_load(future: asyncio.Future[Any], error: BaseException) -> None:

@@ -15,6 +15,11 @@ the ``put`` fails with ``DeadlineExceeded``).  As many bytes again may wait held
 decode fails the sender's ``put`` and the local ``get`` of that key with
 :class:`~omni_async.errors.ProtocolError`.
 
+Payload arrays are the receiver's to keep: large ones from a peer on this host are views of
+the agent's receive pool (:mod:`omni_async.transport.pool`), whose memory is reused only once
+the last reference to them is dropped; a reader that keeps them makes later payloads arrive
+in fresh arrays instead, it never holds up a sender.
+
 Keys belong to their sender: a ``get``/``wait_for`` naming ``source`` is given only that
 peer's payload; another peer's payload for the key is refused
 (:class:`~omni_async.errors.TransferRefused` to its sender), or, if it was acknowledged before
@@ -31,6 +36,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import msgspec
@@ -161,6 +167,10 @@ class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How many refused prefixes (cleaned-up requests) are remembered."""
 
 
+_Wait = tuple[asyncio.Future[dict[str, Any]], str | None, Callable[[asyncio.Future[dict[str, Any]]], None]]
+"""A ``wait_for``: its future, the source it names, and the done callback that withdraws it."""
+
+
 @dataclass(eq=False, slots=True)
 class _Stored:
     """A buffered payload; ``space`` is set while its acknowledgement is held back.  Compared
@@ -191,7 +201,8 @@ class UcxConnector(Connector):
         self._held: dict[_Stored, asyncio.TimerHandle] = {}
         """Payloads whose acknowledgement is held back, oldest first, with their expiry."""
         self._held_bytes = 0
-        self._waiters: dict[str, tuple[asyncio.Future[dict[str, Any]], str | None]] = {}
+        self._waiters: dict[str, _Wait] = {}
+        """key -> (future, source, its withdraw callback)."""
         self._refused: OrderedDict[str, None] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()
         """Peers that left and have not joined again (a wait for their keys fails at once)."""
@@ -236,8 +247,9 @@ class UcxConnector(Connector):
             return future
         if key in self._waiters:
             raise ValueError(f"somebody already waits for {key!r}")
-        self._waiters[key] = (future, source)
-        future.add_done_callback(lambda _f: self._withdraw(key, future))
+        withdraw = partial(self._withdraw, key)
+        self._waiters[key] = (future, source, withdraw)
+        future.add_done_callback(withdraw)  # the owner may cancel it
         return future
 
     def take_nowait(self, key: str, *, source: str | None = None) -> dict[str, Any] | None:
@@ -260,7 +272,7 @@ class UcxConnector(Connector):
                 self._drop(stored, error or TransferCancelled(f"{key!r} discarded"))
                 count += 1
         for key in [k for k in self._waiters if k.startswith(prefix)]:
-            future, _ = self._waiters.pop(key)
+            future, _, _ = self._waiters.pop(key)
             if not future.done():
                 future.set_exception(error or TransferCancelled(f"{key!r} discarded"))
                 count += 1
@@ -392,14 +404,20 @@ class UcxConnector(Connector):
             log.warning("invalid payload %r from %s: %s", key, peer_id, exc)
             error = ProtocolError(f"invalid payload {key!r} from {peer_id!r}: {exc}")
             if waiter is not None:
-                del self._waiters[key]
-                waiter[0].set_exception(error)
+                self._hand_over(key, waiter).set_exception(error)
             raise error from None
         if waiter is not None:
-            del self._waiters[key]
-            waiter[0].set_result(payload)
+            self._hand_over(key, waiter).set_result(payload)
             return None
         return self._buffer(peer_id, key, payload, sum(frame.nbytes for frame in frames))
+
+    def _hand_over(self, key: str, waiter: _Wait) -> asyncio.Future[dict[str, Any]]:
+        """Forget a wait this side is about to settle, and its withdraw callback with it (which
+        would only find it gone, a loop turn later); returns its future to settle."""
+        del self._waiters[key]
+        future, _, withdraw = waiter
+        future.remove_done_callback(withdraw)
+        return future
 
     def _on_peer(self, event: PeerEvent) -> None:
         """A peer that left releases what it owned: its held payloads (refused), waits naming it
@@ -412,7 +430,7 @@ class UcxConnector(Connector):
         self._gone[event.peer_id] = None
         while len(self._gone) > self.options.max_refused:
             self._gone.popitem(last=False)
-        for future, source in list(self._waiters.values()):
+        for future, source, _ in list(self._waiters.values()):
             if source == event.peer_id and not future.done():
                 future.set_exception(error)
         mine = [s for candidates in self._stored.values() for s in candidates.values() if s.peer_id == event.peer_id]

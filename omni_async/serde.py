@@ -109,7 +109,15 @@ def _encode_mapping(value: Mapping[Any, Any], frames: list[Any], specs: list[_Ar
     for key, item in value.items():
         if type(key) is not str and not isinstance(key, str):
             raise TypeError(f"payload keys must be str, got {type(key).__name__}")
-        out[key] = item if type(item) in _SCALARS else _encode_value(item, frames, specs, depth + 1)
+        kind = type(item)  # the common cases without _encode_value's call (depth + 1 <= MAX_DEPTH here)
+        if kind in _SCALARS:
+            out[key] = item
+        elif kind is np.ndarray:
+            out[key] = _encode_array(item, frames, specs)
+        elif kind is dict:
+            out[key] = _encode_mapping(item, frames, specs, depth + 1)
+        else:
+            out[key] = _encode_value(item, frames, specs, depth + 1)
     return out
 
 
@@ -145,7 +153,7 @@ def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, 
     Raises :class:`ProtocolError` for anything malformed, out of the whitelist or inconsistent.
     """
     try:
-        decoded = msgspec.msgpack.decode(header, type=_Header, ext_hook=_ref)
+        decoded = _decoder.decode(header)  # frame references stay Ext objects: no Python hook per frame
     except Exception as exc:  # a trust boundary: every decoder failure is a ProtocolError
         raise ProtocolError(f"invalid payload header: {exc}") from None
     if len(decoded.arrays) != len(frames):
@@ -159,18 +167,8 @@ def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, 
     return result
 
 
-class _Ref:
-    __slots__ = ("index", "kind")
-
-    def __init__(self, kind: int, index: int) -> None:
-        self.kind = kind
-        self.index = index
-
-
-def _ref(code: int, data: memoryview) -> _Ref:
-    if code not in (_EXT_ARRAY, _EXT_BYTES) or len(data) != 4:
-        raise ValueError(f"unknown extension {code}")
-    return _Ref(code, int.from_bytes(data, "little"))
+_Ext: Final = msgspec.msgpack.Ext
+_decoder: Final = msgspec.msgpack.Decoder(_Header)
 
 
 def _decode_frame(spec: tuple[str, list[int]], frame: npt.NDArray[np.uint8]) -> Any:
@@ -205,31 +203,48 @@ def _resolve(node: Any, values: list[Any], depth: int, budget: list[int]) -> Any
     if depth > MAX_DEPTH:
         raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
     kind = type(node)  # the decoder makes exact types only: no isinstance needed
-    if kind is _Ref:
-        if node.index >= len(values):
-            raise ProtocolError(f"payload refers to frame {node.index} of {len(values)}")
-        value = values[node.index]
-        if (node.kind == _EXT_BYTES) != (type(value) is bytes):
-            raise ProtocolError(f"frame {node.index} is referred to as the wrong kind")
-        return value
+    if kind is _Ext:
+        return _frame_value(node, values)
     if kind is list or kind is dict:
         return _resolve_children(node, values, depth, budget)
     raise ProtocolError(f"unexpected {type(node).__name__} in a payload")
 
 
+def _frame_value(ref: msgspec.msgpack.Ext, values: list[Any]) -> Any:
+    """The decoded frame a reference (an Ext of kind array or bytes holding a u32 index)
+    names, checked to exist and to be of its kind."""
+    code, data = ref.code, memoryview(ref.data)
+    if code not in (_EXT_ARRAY, _EXT_BYTES) or data.nbytes != 4:
+        raise ProtocolError(f"payload holds an unknown extension {code}")
+    index = int.from_bytes(data, "little")
+    if index >= len(values):
+        raise ProtocolError(f"payload refers to frame {index} of {len(values)}")
+    value = values[index]
+    if (code == _EXT_BYTES) != (type(value) is bytes):
+        raise ProtocolError(f"frame {index} is referred to as the wrong kind")
+    return value
+
+
 def _resolve_children(node: list[Any] | dict[Any, Any], values: list[Any], depth: int, budget: list[int]) -> Any:
-    """A list or mapping at ``depth``: its children counted in ``budget`` at once, scalars
-    taken as they are, the rest resolved one level deeper."""
+    """A list or mapping at ``depth``, resolved in place (the decoder made it for us): its
+    children counted in ``budget`` at once, scalars left as they are, frame references
+    replaced by their frames, the rest resolved one level deeper."""
     budget[0] -= len(node)
     if budget[0] < 0:
         raise ProtocolError(f"payload has more than {MAX_NODES} values")
     if node and depth >= MAX_DEPTH:
         raise ProtocolError(f"payload nesting exceeds {MAX_DEPTH} levels")
     if isinstance(node, list):  # exact types only (see _resolve)
-        return [item if type(item) in _SCALARS else _resolve(item, values, depth + 1, budget) for item in node]
-    out = {}
-    for key, item in node.items():
+        for i, item in enumerate(node):
+            if type(item) not in _SCALARS:
+                node[i] = _resolve(item, values, depth + 1, budget)
+        return node
+    for key, item in node.items():  # values of existing keys are replaced: the size never changes
         if type(key) is not str:
             raise ProtocolError(f"payload keys must be str, got {type(key).__name__}")
-        out[key] = item if type(item) in _SCALARS else _resolve(item, values, depth + 1, budget)
-    return out
+        kind = type(item)  # a frame without _resolve's call (depth + 1 <= MAX_DEPTH here)
+        if kind is _Ext:
+            node[key] = _frame_value(item, values)
+        elif kind not in _SCALARS:
+            node[key] = _resolve(item, values, depth + 1, budget)
+    return node

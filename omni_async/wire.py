@@ -39,6 +39,8 @@ MAX_FRAMES: Final = 1024
 """Most payload frames in one chunk message."""
 MAX_KEY: Final = 1024
 MAX_META_BYTES: Final = 48 * 1024
+MAX_ACKS: Final = 1024
+"""Most transfers one :class:`Acks` acknowledges."""
 I64: Final = (1 << 63) - 1
 RUNS_PER_REQUEST: Final = 3072
 """Most runs a sender puts in one :class:`WriteRequest`: the worst case (every number a
@@ -215,6 +217,14 @@ class Ack(_Msg, tag="a", frozen=True):
     reason: Reason = ""
 
 
+class Acks(_Msg, tag="as", frozen=True):
+    """Successful acknowledgements of several transfers at once (each what an :class:`Ack`
+    with an empty ``code`` says of one): the chunk messages a receiver delivered from one
+    batch of same-host ring records, answered with one record instead of one each."""
+
+    transfer_ids: Annotated[list[NonNeg], msgspec.Meta(min_length=1, max_length=MAX_ACKS)]
+
+
 class ReadRequest(_Msg, tag="r", frozen=True):
     """Asks the peer to write its rows into ours: ``runs`` are ``(peer_start, our_start,
     count)``.  The peer answers with an ordinary block write of those rows, then, once that
@@ -264,7 +274,9 @@ class RingOffer(_Msg, tag="ring", frozen=True):
     capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
 
 
-DataHeader: TypeAlias = WriteRequest | ReadRequest | MessageHeader | Ack | Abort | Commit | Goodbye | RingOffer
+DataHeader: TypeAlias = (
+    WriteRequest | ReadRequest | MessageHeader | Ack | Acks | Abort | Commit | Goodbye | RingOffer
+)
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)

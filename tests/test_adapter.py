@@ -110,6 +110,24 @@ async def test_stall_deadline_fails_waiter_and_cleans_up(make_service):
     assert rx.connector.buffered == (0, 0)
 
 
+async def test_each_chunk_restarts_the_stall_clock_of_a_request_still_waited_for(make_service):
+    """Chunks 0.15 s apart keep a request with a 0.4 s stall deadline alive well past 0.4 s;
+    once they stop, the load still waiting fails about 0.4 s after the last one."""
+    _, _, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=0.4))
+    loads = [receiver.load_async("s") for _ in range(6)]
+    started = time.monotonic()
+    for i in range(5):
+        await asyncio.sleep(0.15)
+        await asyncio.wait_for(sender.save("s", {"i": i}), 5)
+    last = time.monotonic()
+    assert [(await asyncio.wait_for(load, 5)).data["i"] for load in loads[:5]] == list(range(5))
+    assert last - started > 0.7
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(loads[5], 5)
+    assert 0.3 < time.monotonic() - last < 1.5
+    assert receiver.active_requests == 0
+
+
 async def test_cleanup_and_cancel_are_idempotent_and_leave_nothing(make_service):
     _, rx, sender, receiver = await linked(make_service)
     await sender.save("r1", {"i": 0})
@@ -158,6 +176,22 @@ async def test_back_pressure_when_the_receiver_is_slow(make_service):
     assert stored[1] <= (4 + 4) * chunk_bytes
     got = [c.index async for c in receiver.stream("r")]  # the slow reader catches up
     assert got == list(range(40))
+    await asyncio.wait_for(asyncio.gather(*saves), 10)
+
+
+async def test_a_save_with_room_in_the_window_is_sent_at_once_and_order_holds(make_service):
+    """A save that finds the window open and nothing queued goes out before ``save_async``
+    returns (no hop through the save loop: a loop turn per chunk); saves beyond the window
+    queue and still leave in order, each request's chunks and across requests."""
+    tx, _, sender, receiver = await linked(make_service, tx_adapter=AdapterOptions(max_in_flight=3))
+    first = sender.save_async("a", chunk(0, 0))
+    assert len(tx.agent.transport.in_flight("rx")) == 1  # sent, not just queued
+    saves = [first] + [sender.save_async(f"{'ab'[i % 2]}", chunk(i, i // 2), final=i >= 10) for i in range(1, 12)]
+    assert len(tx.agent.transport.in_flight("rx")) == 3  # the window's share; the rest wait in order
+    got = await asyncio.wait_for(asyncio.gather(
+        *(asyncio.gather(*(receiver.load(r) for _ in range(6))) for r in "ab")), 10)
+    assert [[c.index for c in chunks] for chunks in got] == [list(range(6))] * 2
+    assert [c.data["codes"] for c in got[0]] == [[i, i // 2] for i in range(0, 12, 2)]
     await asyncio.wait_for(asyncio.gather(*saves), 10)
 
 

@@ -187,6 +187,26 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert b.transport.links["a"].ring_in.wakeups > 0
 
 
+async def test_acks_of_one_ring_batch_travel_together(make_agent):
+    """Chunk messages taken in one ring batch are acknowledged with one record per
+    ``ACK_BATCH`` of them (an ``Acks``), not one ``Ack`` record each; every transfer settles."""
+    from omni_async.transport.ucx import ACK_BATCH
+
+    a, b = await pair(make_agent)
+    b.set_message_sink(lambda *_message: None)
+    answers = b.transport.links["a"].ring_out.producer  # where b's acknowledgements go
+    await asyncio.wait_for(a.send_message("b", "warm", b"", [np.ones(8, np.uint8)]), 5)
+    one_ack = answers.head
+    await asyncio.wait_for(a.send_message("b", "single", b"", [np.ones(8, np.uint8)]), 5)
+    one_ack = answers.head - one_ack  # bytes of the record that acknowledges one message
+    count = 4 * ACK_BATCH
+    before = answers.head
+    transfers = [a.send_message("b", f"k{i}", b"", [np.ones(8, np.uint8)]) for i in range(count)]  # one batch
+    await asyncio.wait_for(asyncio.gather(*transfers), 5)
+    assert all(t.done() and t.error() is None for t in transfers)
+    assert answers.head - before <= count // ACK_BATCH * 4 * one_ack < count * one_ack
+
+
 async def test_ring_message_frames_are_one_aligned_copy(make_agent):
     """A chunk message out of the ring: the frames the sink gets are copied once into one
     allocation (not one array per frame), each frame 64-byte aligned within it whatever the
@@ -205,6 +225,28 @@ async def test_ring_message_frames_are_one_aligned_copy(make_agent):
     assert len({id(f.base) for f in frames}) == 1 and frames[0].base is not None
     await asyncio.wait_for(a.send_message("b", "k2", b"", [np.full(8, 2, np.uint8)]), 5)
     assert bytes(frames[3]) == bytes(sent[3])  # the ring's later records did not change them
+
+
+async def test_large_ring_messages_land_in_the_receive_pool_and_a_hoarder_gets_copies(make_agent):
+    """Frames of large ring messages are views of the receive pool, reused once the sink's
+    arrays are dropped; a sink that keeps every frame forever fills the pool, and then gets
+    fresh copies: nothing waits for it, every message arrives intact and is acknowledged."""
+    from omni_async.transport.ucx import POOL_MIN, RECEIVE_POOL_BYTES
+
+    a, b = await pair(make_agent, max_message_bytes=1 << 30)
+    kept = []
+    b.set_message_sink(lambda peer, key, meta, frames: kept.append(frames))
+    size = max(POOL_MIN, 1 << 20)
+    await asyncio.wait_for(a.send_message("b", "k", b"", [np.full(size, 1, np.uint8)]), 5)
+    pool = b.transport.receive_pool
+    assert pool is not None and pool.taken == 1 and pool.in_use >= size
+    kept.clear()
+    assert pool.in_use == 0  # dropped: back in the pool
+    count = RECEIVE_POOL_BYTES // size + 8  # more than the pool holds, all kept by the sink
+    transfers = [a.send_message("b", f"k{i}", b"", [np.full(size, i % 251, np.uint8)]) for i in range(count)]
+    await asyncio.wait_for(asyncio.gather(*transfers), 30)
+    assert len(kept) == count and all((frames[0] == i % 251).all() for i, frames in enumerate(kept))
+    assert pool.fallbacks >= 8 and pool.in_use <= pool.capacity
 
 
 async def test_an_idle_pair_runs_no_ring_turns(make_agent):

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from omni_async import ProtocolError, wire
 from omni_async.wire import (
     Ack,
+    Acks,
     Bye,
     Commit,
     Heartbeat,
@@ -37,6 +38,7 @@ HEADERS = [
     Ack(transfer_id=3, code="invalid_blocks", reason="bad"),
     WriteRequest(transfer_id=4, seq=0, runs=[(2, 2)], placed=True, notice=b"n", part=1, parts=2),  # an intent
     Commit(transfer_id=4, part=1),
+    Acks(transfer_ids=[5, 6, 2**40]),
 ]
 
 
@@ -93,6 +95,14 @@ def test_commit_names_a_request_by_exact_non_negative_ints():
             decode_header(encode_header(bad))
 
 
+def test_acks_name_one_to_max_acks_non_negative_ints():
+    ids = [wire.I64] * wire.MAX_ACKS  # the largest legitimate one fits a header
+    assert decode_header(encode_header(Acks(ids))) == Acks(ids)
+    for bad in (Acks([]), Acks([1] * (wire.MAX_ACKS + 1)), Acks([-1]), Acks([True]), Acks(["1"])):  # type: ignore[list-item]
+        with pytest.raises(ProtocolError):
+            decode_header(encode_header(bad))
+
+
 def test_validate_write_bounds_and_limit():
     assert validate_write(WriteRequest(1, 0, [(0, 4), (60, 4)]), 64, 100) == 8
     with pytest.raises(ProtocolError, match="exceeds the region"):
@@ -127,7 +137,7 @@ def _decode_header_or_protocol_error(data: bytes) -> None:
         msg = decode_header(data)
     except ProtocolError:
         return
-    assert isinstance(msg, (WriteRequest, MessageHeader, Ack, Commit))
+    assert isinstance(msg, (WriteRequest, MessageHeader, Ack, Acks, Commit))
 
 
 @given(st.binary(max_size=512))

@@ -67,7 +67,9 @@ class RingReceiver:
     """The ring this side reads and the pipe it sleeps on (see the module docstring).
 
     ``deliver`` gets each record in order; ``fault`` is called once with the error that broke
-    the ring (then nothing more is delivered); ``expecting()`` says whether to spin.
+    the ring (then nothing more is delivered); ``expecting()`` says whether to spin;
+    ``batch_done()`` is called after every batch of records delivered (what they produced can
+    be sent together: the transport's batched acknowledgements).
     """
 
     def __init__(
@@ -77,10 +79,12 @@ class RingReceiver:
         fault: Callable[[ProtocolError], None],
         expecting: Callable[[], bool],
         capacity: int = RING_CAPACITY,
+        batch_done: Callable[[], None] | None = None,
     ) -> None:
         self.capacity = capacity
         self._loop = loop
         self._deliver = deliver
+        self._batch_done = batch_done
         self._fault = fault
         self._expecting = expecting
         self._segment = SharedSegment(ring_size(capacity))
@@ -198,6 +202,8 @@ class RingReceiver:
                     log.exception("handling a ring record failed")
                 if self._closed:
                     return delivered
+            if delivered and self._batch_done is not None:
+                self._batch_done()
         finally:
             self._delivering = False
         consumer.commit()

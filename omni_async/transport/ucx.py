@@ -72,6 +72,7 @@ from ..wire import (
     SEQ_MASK,
     Abort,
     Ack,
+    Acks,
     Commit,
     DataHeader,
     Goodbye,
@@ -89,6 +90,7 @@ from .iov import iov_of_runs
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
+from .pool import ReceivePool
 from .protocol import Deadlines, Drain, GiveUp, Inbox, Outbox
 from .ring import RingError
 from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
@@ -115,7 +117,9 @@ Frames = list[npt.NDArray[np.uint8]]
 _Message = tuple[int, str, bytes, list[int], Frames]
 """A chunk message to post: ``(transfer_id, key, meta, frame sizes, non-empty frames)``."""
 MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
-"""``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink.
+"""``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink
+(large ones from a same-host ring are views of the receive pool, :mod:`.pool`: their memory
+goes back to it when the last reference to them is dropped; nothing else releases it).
 
 The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
 if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
@@ -128,6 +132,14 @@ broken lane, or the peer's Goodbye); the owner forgets it too."""
 _U8 = np.dtype(np.uint8)
 _FRAME_ALIGN = 64
 """Where each frame of a ring message starts in the receiver's copy (a dtype never needs more)."""
+POOL_MIN = 64 * 1024
+"""Ring messages with at least this many frame bytes are copied into the receive pool (below
+it a fresh array costs less than the pool's bookkeeping)."""
+RECEIVE_POOL_BYTES = 64 << 20
+"""Size of the receive pool (one per transport, made when first needed)."""
+ACK_BATCH = 16
+"""Most acknowledgements held back while a ring batch is being taken: enough to spare most
+records and wake-up checks, few enough that the sender's window keeps moving."""
 
 
 def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
@@ -202,6 +214,9 @@ class PeerLink:
     """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
     parked: deque[_Message] = field(default_factory=deque)
     """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
+    acks: list[int] = field(default_factory=list)
+    """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
+    being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
@@ -266,6 +281,13 @@ class UcxTransport:
         self._closing: set[Lane] = set()
         self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._pool: ReceivePool | None = None
+
+    @property
+    def receive_pool(self) -> ReceivePool | None:
+        """Where large chunk messages from same-host rings are copied (see :mod:`.pool`);
+        None until the first one came."""
+        return self._pool
 
     # -- peers -----------------------------------------------------------------------------
     async def warm_up(self) -> None:
@@ -321,6 +343,7 @@ class UcxTransport:
                 partial(self._ring_record, link),
                 partial(self._ring_broke, link),
                 partial(_awaits_answer, link),
+                batch_done=partial(self._flush_acks, link),
             )
         except OSError as exc:
             log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
@@ -343,7 +366,7 @@ class UcxTransport:
         header = decode_header(payload)
         if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
             self._on_ring_message(link, header, payload)
-        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack | Commit):
+        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack | Acks | Commit):
             self._handle_header(link, header)  # Goodbye and RingOffer come only over the lane
         else:
             raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
@@ -1021,16 +1044,24 @@ class UcxTransport:
             self._fault(link.peer.peer_id, gone)
 
     def _on_ack(self, link: PeerLink, ack: Ack) -> None:
-        due = link.notice_answers.get(ack.transfer_id)
+        self._answered(link, ack.transfer_id, ack.code, ack.reason)
+
+    def _on_acks(self, link: PeerLink, acks: Acks) -> None:
+        for transfer_id in acks.transfer_ids:
+            self._answered(link, transfer_id, "", "")
+
+    def _answered(self, link: PeerLink, transfer_id: int, code: str, reason: str) -> None:
+        """The peer's answer to one of our requests (``code`` empty: done)."""
+        due = link.notice_answers.get(transfer_id)
         if due is not None:
             if due > 1:
-                link.notice_answers[ack.transfer_id] = due - 1
+                link.notice_answers[transfer_id] = due - 1
             else:
-                del link.notice_answers[ack.transfer_id]
-                link.lane_noticed.discard(ack.transfer_id)
-        settled, error, posts = link.outbox.answered(ack.transfer_id, ack.code, ack.reason)
+                del link.notice_answers[transfer_id]
+                link.lane_noticed.discard(transfer_id)
+        settled, error, posts = link.outbox.answered(transfer_id, code, reason)
         if settled:
-            self._settle(link, ack.transfer_id, error_from_code(*error) if error else None)
+            self._settle(link, transfer_id, error_from_code(*error) if error else None)
         if link.held:
             self._release_held(link)  # before the posts the answer released: they came later
         _carry_out(posts)
@@ -1198,14 +1229,23 @@ class UcxTransport:
         (the record is valid only during this call) and deliver.  Raises ProtocolError.
 
         One allocation for all the frames, each copied once into its own 64-byte aligned
-        slice of it (a sink that keeps one frame keeps the message's bytes alive)."""
+        slice of it (a sink that keeps one frame keeps the message's bytes alive): from the
+        receive pool for messages of ``POOL_MIN`` bytes or more (memory that stays mapped,
+        reused once the frames are dropped), else a fresh array."""
         nbytes = validate_message(hdr, self.config.max_message_bytes)
         offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
         if offset + nbytes != len(record):
             raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
         link.inbox.admit(hdr.seq, 0, nbytes)
         slots = [-(-size // _FRAME_ALIGN) * _FRAME_ALIGN for size in hdr.frames]
-        body = np.empty(sum(slots), np.uint8)
+        total = sum(slots)
+        body = None
+        if nbytes >= POOL_MIN:
+            if self._pool is None:
+                self._pool = ReceivePool(RECEIVE_POOL_BYTES)
+            body = self._pool.take(total)
+        if body is None:
+            body = np.empty(total, np.uint8)
         out = body.data
         frames, start = [], 0
         for size, slot in zip(hdr.frames, slots, strict=True):
@@ -1213,34 +1253,43 @@ class UcxTransport:
             frames.append(body[start : start + size])
             offset += size
             start += slot
-        self._deliver(link, hdr, frames, nbytes, None)
+        self._deliver(link, hdr, frames, nbytes, None, ring=True)
 
     def _deliver(
-        self, link: PeerLink, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None
+        self, link: PeerLink, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None,
+        *, ring: bool = False,
     ) -> None:
+        """Hand a received message to the sink and answer it: when the sink returns (from a
+        ring batch, ``ring``: with the batch's other acknowledgements, see :meth:`_flush_acks`),
+        or when the awaitable it returned completes."""
         link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
-        answer = partial(self._answer, link, hdr.transfer_id, "messages", nbytes)
+        transfer_id = hdr.transfer_id
         if error is not None or self._links.get(link.peer.peer_id) is not link:
-            answer(error)  # a leaving or removed peer's messages are not delivered (nor acknowledged)
+            self._answer(link, transfer_id, "messages", nbytes, error)  # a leaving or removed peer's: not acknowledged
             return
         sink = self.message_sink
         if sink is None:
-            answer(TransferFailed("the receiver takes no messages"))
+            self._answer(link, transfer_id, "messages", nbytes, TransferFailed("the receiver takes no messages"))
             return
         try:
             pending = sink(link.peer.peer_id, hdr.key, hdr.meta, frames)
         except OmniAsyncError as exc:
-            answer(exc)
+            self._answer(link, transfer_id, "messages", nbytes, exc)
             return
         except Exception as exc:  # a sink bug (or its decoder's) fails this message, not the lane
             log.error("message sink failed on %r from %s", hdr.key, link.peer.peer_id, exc_info=exc)
-            answer(TransferFailed(f"the receiver failed: {exc!r}"))
+            self._answer(link, transfer_id, "messages", nbytes, TransferFailed(f"the receiver failed: {exc!r}"))
             return
-        if pending is None or not inspect.isawaitable(pending):
-            answer(None)
+        if pending is not None and inspect.isawaitable(pending):
+            answer = partial(self._answer, link, transfer_id, "messages", nbytes)
+            asyncio.ensure_future(pending).add_done_callback(partial(self._sink_done, answer))
+        elif ring:
+            self.metrics.answered("messages", nbytes, "ok", link.peer.peer_id)
+            link.acks.append(transfer_id)
+            if len(link.acks) >= ACK_BATCH:
+                self._flush_acks(link)
         else:
-            task = asyncio.ensure_future(pending)
-            task.add_done_callback(partial(self._sink_done, answer))
+            self._answer(link, transfer_id, "messages", nbytes, None)
 
     @staticmethod
     def _sink_done(answer: Callable[[BaseException | None], None], task: asyncio.Future[None]) -> None:
@@ -1262,10 +1311,20 @@ class UcxTransport:
         ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, str(failed)[:1000])
         self._send_header(link, ack, _ignore)
 
+    def _flush_acks(self, link: PeerLink) -> None:
+        """Send the acknowledgements held in :attr:`PeerLink.acks` (end of a ring batch, or
+        ``ACK_BATCH`` of them): one :class:`Ack`, or one :class:`Acks` for several."""
+        if not link.acks:
+            return
+        ids, link.acks = link.acks, []
+        if self._links.get(link.peer.peer_id) is link:
+            self._send_header(link, Ack(ids[0]) if len(ids) == 1 else Acks(ids), _ignore)
+
     # -- lifecycle -------------------------------------------------------------------------
     _HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
         Goodbye: _on_goodbye,
         Ack: _on_ack,
+        Acks: _on_acks,
         WriteRequest: _on_write,
         RingOffer: _on_ring_offer,
         ReadRequest: _on_read,
