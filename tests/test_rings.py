@@ -463,6 +463,7 @@ async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_th
     got: list[bytes] = []
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
                                      lambda exc: None, lambda: False, capacity=1 << 16)
+    receiver.lost_core = float("inf")  # a loaded host may take its core away mid-spin: not here
     sender = samehost.RingSender(receiver.offer())
     try:
         await asyncio.sleep(0.02)
@@ -489,6 +490,32 @@ async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_th
         assert sender.send(samehost.KIND_HEADER, [b"later"])  # and a record still wakes it
         async with asyncio.timeout(5):
             while len(got) < 2:
+                await asyncio.sleep(0.01)
+        assert receiver.wakeups == wakeups + 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_a_receiver_that_loses_its_core_while_staying_awake_sleeps_and_is_woken():
+    """A spin that took longer than ``lost_core`` (another process had the core) ends the
+    wait for the commit: the receiver sleeps, and the record wakes it (a wake-up lets the
+    scheduler run it at once; polling would only take the core from whoever needs it)."""
+    got: list[bytes] = []
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    receiver.lost_core = 0.0  # every spin counts as one that lost the core
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        await asyncio.sleep(0.02)
+        receiver.stay_awake(5.0)
+        await asyncio.sleep(0.05)
+        turns, wakeups = receiver.turns, receiver.wakeups
+        await asyncio.sleep(0.1)
+        assert receiver.turns == turns  # asleep after one fruitless spin, though 5 s were granted
+        assert sender.send(samehost.KIND_HEADER, [b"commit"])
+        async with asyncio.timeout(5):
+            while not got:
                 await asyncio.sleep(0.01)
         assert receiver.wakeups == wakeups + 1
     finally:

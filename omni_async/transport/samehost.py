@@ -55,6 +55,8 @@ KIND_MESSAGE: Final = 2
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping."""
+LOST_CORE: Final = 4 * SPIN
+"""A spin of ``SPIN`` that took longer than this lost the core to another process meanwhile."""
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
@@ -100,6 +102,9 @@ class RingReceiver:
         """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
         """Pipe wake-ups so far (for idle-CPU tests)."""
+        self.lost_core = LOST_CORE
+        """Seconds after which a fruitless spin while staying awake counts as having lost the
+        core (:meth:`stay_awake` then ends)."""
         self._consumer.sleep()  # until the first record, the sender must wake us
         loop.add_reader(self._read, self._readable)
 
@@ -136,7 +141,8 @@ class RingReceiver:
         """The peer is about to put a record in (the commit of a write it copies now): for
         ``seconds`` from now a turn that finds none spins (at most ``SPIN``) and comes back on
         the next loop turn instead of sleeping, so the record is taken as soon as it comes,
-        without a wake-up.  ``0`` ends that early (the record came, or will not)."""
+        without a wake-up.  ``0`` ends that early (the record came, or will not); so does a spin
+        during which another process had the core (a wake-up serves better then)."""
         self._awake_until = time.perf_counter() + seconds if seconds > 0 else 0.0
         if seconds > 0:
             self.kick()  # (if called outside a turn, by drain(), while this side sleeps)
@@ -156,7 +162,13 @@ class RingReceiver:
             awake = not delivered and time.perf_counter() < self._awake_until
             if not delivered and not self._closed:
                 if awake:  # not counted by the gate: the commit's time is the copy's, not the peer's pace
+                    started = time.perf_counter()
                     hit = spin(consumer.ready, SPIN)
+                    if not hit and time.perf_counter() - started > self.lost_core:
+                        # Another process had this core meanwhile: polling costs it more than a
+                        # wake-up (which also lets the scheduler run us at once): sleep.
+                        self._awake_until = 0.0
+                        awake = False
                 else:
                     hit = self._may_spin() and self._spin_gate.spin(consumer.ready, SPIN)
                 if hit:
