@@ -82,9 +82,12 @@ from ..wire import (
     WriteRequest,
     data_tag,
     decode_header,
+    decode_record,
     encode_header,
+    encode_record,
     validate_message,
     validate_write,
+    with_length,
 )
 from .iov import iov_of_runs
 from .lane import Completion, Lane, new_context
@@ -364,13 +367,21 @@ class UcxTransport:
 
     def _ring_record(self, link: PeerLink, kind: int, payload: memoryview) -> None:
         """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
-        header = decode_header(payload)
-        if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
-            self._on_ring_message(link, header, payload)
-        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack | Acks | Commit):
-            self._handle_header(link, header)  # Goodbye and RingOffer come only over the lane
+        header: DataHeader
+        if kind == KIND_HEADER:  # the header alone, no length prefix (the ring frames it)
+            header = decode_record(payload)
+            handler = self._RING_HANDLERS.get(type(header))  # Goodbye and RingOffer come only over the lane
+            if handler is not None:
+                handler(self, link, header)
+                return
+        elif kind == KIND_MESSAGE:  # a length-prefixed message header, then its frames
+            header = decode_header(payload)
+            if isinstance(header, MessageHeader):
+                self._on_ring_message(link, header, payload)
+                return
         else:
-            raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
+            raise ProtocolError(f"ring record of unknown kind {kind}")
+        raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
 
     def _ring_broke(self, link: PeerLink, error: ProtocolError) -> None:
         link.ring_in = None
@@ -378,18 +389,19 @@ class UcxTransport:
 
     def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
         """Send a header through the peer's ring if there is one with room, else over UCX."""
-        data = encode_header(header)
+        body = encode_record(header)
         try:
-            if self._ring_put(link, data):
+            if self._ring_put(link, body):
                 return
         except RingError as exc:
             self._drop(link, exc)
             return
-        link.lane.send(data, HEADER_TAG, done)
+        link.lane.send(with_length(body), HEADER_TAG, done)
 
     def _ring_put(self, link: PeerLink, data: bytes) -> bool:
-        """Put one encoded header into the peer's ring, where the peer sees it on return;
-        False if there is no ring, no room, or it broke (send it another way).  Raises
+        """Put one header (:func:`~omni_async.wire.encode_record`) into the peer's ring, where
+        the peer sees it on return; False if there is no ring, no room, or it broke (send it
+        another way).  Raises
         :class:`RingError` if the peer corrupted the ring."""
         ring = link.ring_out
         if ring is None:
@@ -692,7 +704,7 @@ class UcxTransport:
         seq = link.outbox.take_seq(0)
         intent = _write_request(transfer_id, seq, runs, tag, placed=True, intent=tag is None, part=part, parts=parts)
         try:
-            in_ring = link.direct is not None and self._ring_put(link, encode_header(intent))
+            in_ring = link.direct is not None and self._ring_put(link, encode_record(intent))
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             self._drop(link, exc)
@@ -1334,6 +1346,13 @@ class UcxTransport:
         MessageHeader: _on_message,
     }
     """Each data header's handler ``(self, link, header)``: every type of ``DataHeader``."""
+    _RING_HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
+        WriteRequest: _on_write,
+        Ack: _on_ack,
+        Acks: _on_acks,
+        Commit: _on_commit,
+    }
+    """The handlers of the headers a peer may put into its ring as ``KIND_HEADER`` records."""
 
     async def close(self) -> None:
         """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
