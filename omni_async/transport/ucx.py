@@ -940,7 +940,8 @@ class UcxTransport:
             if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
                 abort = Abort(transfer_id, error.code, str(error)[:1000])
                 link.lane.send(encode_header(abort), HEADER_TAG, _ignore)
-            _carry_out(link.outbox.forget(transfer_id))
+            if error is not None:  # (an acknowledged one left the outbox with its last answer, or never entered it)
+                _carry_out(link.outbox.forget(transfer_id))
             if link.parked:
                 self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
         outcome = "ok" if error is None else error.code
@@ -1103,14 +1104,14 @@ class UcxTransport:
             else:
                 self._drain(link, req, InvalidBlocks(str(exc)), refuse)
             return
+        if req.placed and req.notice is None and not req.intent:  # copied already, no notice: answered now
+            self._answer(link, req.transfer_id, "blocks", blocks * self.regions.block_bytes, None)
+            return
         finish = self._answerer(link, req, blocks * self.regions.block_bytes, valid=True)
         if finish is None:
             return
-        if req.placed:  # no payload follows: the rows are (or, for an intent, will be) copied
-            if not req.announced:
-                finish(None)
-            else:
-                self._intend(link, req, finish, None)
+        if req.placed:  # an intent: the rows will be copied, answered on its commit
+            self._intend(link, req, finish, None)
             return
         if not self._admit(link, req.seq, messages, 0):
             return
