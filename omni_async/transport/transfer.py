@@ -26,7 +26,8 @@ class State(Enum):
     FAILED = "failed"
 
 
-_SETTLED: Final = frozenset((State.DONE, State.FAILED))
+_SETTLED: Final = (State.DONE, State.FAILED)
+"""The settled states (a tuple: ``in`` compares members by identity, a set would hash an Enum in Python)."""
 
 
 class Transfer:
