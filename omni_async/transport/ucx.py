@@ -586,7 +586,8 @@ class UcxTransport:
                     place = partial(self._place_announced, link, transfer.id, request, tag, part)
                     requests.append((1, 0, partial(self._gate, link, transfer.id, True, place)))
                 elif (
-                    link.ring_out is not None
+                    blocks * block_bytes >= ANNOUNCE_BYTES  # (cheap: a request is at most the write)
+                    and link.ring_out is not None
                     and _request_blocks(request, blocks, len(split)) * block_bytes >= ANNOUNCE_BYTES
                 ):
                     announced = True
@@ -1321,9 +1322,9 @@ class UcxTransport:
         if self._links.get(link.peer.peer_id) is not link:
             return
         failed = None if error is None else sink_error(error)
-        self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
         ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, str(failed)[:1000])
-        self._send_header(link, ack, _ignore)
+        self._send_header(link, ack, _ignore)  # first: the sender waits for it, not for our metrics
+        self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
 
     def _flush_acks(self, link: PeerLink) -> None:
         """Send the acknowledgements held in :attr:`PeerLink.acks` (end of a ring batch, or
