@@ -191,7 +191,7 @@ class Outbox(Generic[T]):
             if out.parts <= 0:
                 del self._out[transfer_id]
                 settled, error = True, out.error
-        return settled, error, self._pump()
+        return settled, error, self._pump() if self._queue else []
 
     def withdraw(self, transfer_id: int) -> list[T]:
         """A request of ``transfer_id`` counted in the window was never sent (its transfer

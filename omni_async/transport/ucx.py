@@ -1079,7 +1079,8 @@ class UcxTransport:
             self._settle(link, transfer_id, error_from_code(*error) if error else None)
         if link.held:
             self._release_held(link)  # before the posts the answer released: they came later
-        _carry_out(posts)
+        if posts:
+            _carry_out(posts)
 
     def _on_write(self, link: PeerLink, req: WriteRequest) -> None:
         """A block write: each run's rows of every region of the set, run by run (gathered:
