@@ -264,6 +264,42 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     assert time.process_time() - cpu < 0.05
 
 
+WRITE_CALL_BUDGET = 125
+"""Python calls of omni_async per same-host 64 KiB write and its acknowledgement, both sides
+(issue 9, row a: 143 before the ring and transport hot paths were trimmed, 116 after)."""
+
+
+async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(make_agent):
+    """Row a's latency is Python on both sides: a 64 KiB write, its header and its ack through
+    the rings cost at most WRITE_CALL_BUDGET calls of this package (counted, not timed: the
+    count does not depend on the machine's load)."""
+    import sys
+
+    import omni_async
+
+    package = os.path.dirname(omni_async.__file__)
+    a, b = await pair(make_agent, block_len=64 << 10)
+    for _ in range(50):  # warm: both rings in their steady rhythm
+        await asyncio.wait_for(a.write_blocks("b", [3], [5]), 5)
+    calls = 0
+
+    def count(frame, event, _arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls += 1
+
+    writes = 100
+    sys.setprofile(count)
+    try:
+        async with asyncio.timeout(10):
+            for _ in range(writes):
+                await a.write_blocks("b", [3], [5])
+    finally:
+        sys.setprofile(None)
+    assert np.array_equal(b.region.array[5], a.region.array[3])
+    assert calls / writes <= WRITE_CALL_BUDGET, calls / writes
+
+
 async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(make_agent):
     """A same-host write of at least ANNOUNCE_BYTES goes into the receiver's ring as an intent
     before its copy, and a commit after it (the receiver checks it meanwhile and is awake for
