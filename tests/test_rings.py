@@ -266,7 +266,7 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
 
 WRITE_CALL_BUDGET = 125
 """Python calls of omni_async per same-host 64 KiB write and its acknowledgement, both sides
-(issue 9, row a: 143 before the ring and transport hot paths were trimmed, 116 after)."""
+(issue 9, row a: 143 before the ring and transport hot paths were trimmed, 115 after)."""
 
 
 async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(make_agent):

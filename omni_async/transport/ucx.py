@@ -570,12 +570,20 @@ class UcxTransport:
         )
         # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
         placed = placed and (notice is None or link.ring_out is not None)
-        requests: list[tuple[int, int, Callable[[], None]]] = []
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
-        split = split_runs(
-            runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers), blocks
-        )
+        max_runs = min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers)
+        if (
+            placed
+            and notice is None
+            and blocks * block_bytes < ANNOUNCE_BYTES
+            and blocks <= link.peer.max_write_blocks
+            and len(runs) <= max_runs
+        ):  # the common small write: one placed request, copied then told (as the loop below makes it)
+            _carry_out(link.outbox.submit(transfer.id, [(0, 0, partial(self._place, link, transfer.id, runs))]))
+            return transfer
+        requests: list[tuple[int, int, Callable[[], None]]] = []
+        split = split_runs(runs, link.peer.max_write_blocks, max_runs, blocks)
         announced = False
         for part, request in enumerate(split):
             tag = None if notice is None else _Tag(notice, part, len(split))
@@ -586,8 +594,7 @@ class UcxTransport:
                     place = partial(self._place_announced, link, transfer.id, request, tag, part)
                     requests.append((1, 0, partial(self._gate, link, transfer.id, True, place)))
                 elif (
-                    blocks * block_bytes >= ANNOUNCE_BYTES  # (cheap: a request is at most the write)
-                    and link.ring_out is not None
+                    link.ring_out is not None
                     and _request_blocks(request, blocks, len(split)) * block_bytes >= ANNOUNCE_BYTES
                 ):
                     announced = True
