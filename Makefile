@@ -45,10 +45,10 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	mkdir -p bench/out
-	$(PY) -m bench blocks --plot bench/out/blocks.svg
-	$(PY) -m bench chunks --plot bench/out/chunks.svg
-	$(PY) -m bench layers
-	$(PY) -m bench idle
+	$(PY) -m bench blocks --plot bench/out/blocks.svg --json > bench/out/blocks.json
+	$(PY) -m bench chunks --plot bench/out/chunks.svg --json > bench/out/chunks.json
+	$(PY) -m bench layers --json > bench/out/layers.json
+	$(PY) -m bench idle --json > bench/out/idle.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench/out

@@ -1,6 +1,7 @@
 """``python -m bench <command>``: ``blocks`` (block writes vs memcpy and NIXL), ``chunks``
 (chunk streams through the adapter vs memcpy), ``layers`` (a region set vs NIXL), ``idle`` (CPU
-of an idle connected pair), ``profile`` (per-function cost of one small transfer).
+of an idle connected pair), ``profile`` (per-function cost of one small transfer), ``compare``
+(side-by-side tables of saved runs: ``make bench`` leaves each report's JSON in ``bench/out``).
 
 ``--json`` prints one JSON object on stdout (the table then goes to stderr).  ``--plot FILE``
 (blocks, chunks) also draws the run as grouped bars (:mod:`bench.plot`; needs the ``bench``
@@ -14,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from omni_async.eventloop import run
@@ -51,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--writes", type=int, default=2000)
     profile.add_argument("--top", type=int, default=25)
     profile.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    compare = sub.add_parser("compare", help="side-by-side Markdown tables of saved make bench runs (bench/out copies)")
+    compare.add_argument("runs", nargs="+", type=Path, help="folders holding blocks/chunks/layers/idle .json")
     idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
     idle.add_argument("--seconds", type=float, default=10.0)
     idle.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -108,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(run_profile(args.kind, args.writes, args.top))
         _emit(result, profile_table(result), args.json)
+    elif args.command == "compare":
+        from .compare import compare
+
+        print(compare(args.runs))
     elif args.command == "idle":
         from .idle import run_idle, table
 

@@ -212,6 +212,13 @@ class Run(NamedTuple):
     length: int
 
 
+_new_run = tuple.__new__
+"""``_new_run(Run, (local, remote, length))``: a :class:`Run` at half the cost of ``Run(...)``
+(no Python-level ``__new__``), which counts in a plan of hundreds of one-block runs.  (Checking
+and coalescing with numpy instead was measured slower up to 1024 scattered pairs: its fixed
+cost is some 20 µs and a :class:`Run` per run is still needed.)"""
+
+
 def plan_runs(
     local_idxs: Sequence[int], remote_idxs: Sequence[int], local_blocks: int, remote_blocks: int
 ) -> list[Run]:
@@ -237,10 +244,10 @@ def plan_runs(
             count += 1
             continue
         if count:
-            runs.append(Run(start_l, start_r, count))
+            runs.append(_new_run(Run, (start_l, start_r, count)))
         start_l, start_r, count = li, ri, 1
     if count:
-        runs.append(Run(start_l, start_r, count))
+        runs.append(_new_run(Run, (start_l, start_r, count)))
     return runs
 
 

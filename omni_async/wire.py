@@ -175,9 +175,11 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     transfer is in place, before the acknowledgement that settles it; a transfer split into
     ``parts`` requests carries it on each, numbered by ``part``.
 
-    A request that is both ``placed`` and carries a ``notice`` is an *intent*: it announces the
-    rows before the sender copies into them (through the same-host ring, so that the receiver
-    knows of it even if the sender dies during the copy); a :class:`Commit` finishes it.
+    A request that is both ``placed`` and carries a ``notice`` (or sets ``intent``) is an
+    *intent*: it announces the rows before the sender copies into them (through the same-host
+    ring, so that the receiver knows of it even if the sender dies during the copy); a
+    :class:`Commit` finishes it.  A large write without a notice is announced too (``intent``),
+    so that the receiver is awake for its commit rather than woken after the copy.
     """
 
     transfer_id: NonNeg
@@ -188,6 +190,12 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     notice: Annotated[bytes, msgspec.Meta(max_length=MAX_NOTICE_BYTES)] | None = None
     part: NonNeg = 0
     parts: Count = 1
+    intent: bool = False
+
+    @property
+    def announced(self) -> bool:
+        """Whether this is an intent (a :class:`Commit` follows the copy)."""
+        return self.placed and (self.intent or self.notice is not None)
 
 
 class MessageHeader(_Msg, tag="m", frozen=True):
@@ -241,7 +249,7 @@ class Abort(_Msg, tag="x", frozen=True):
 
 class Commit(_Msg, tag="c", frozen=True):
     """The rows that request ``part`` of write ``transfer_id`` announced (an intent: a placed
-    :class:`WriteRequest` with a notice) are copied: the receiver answers it now.  A commit
+    :class:`WriteRequest` with a notice or ``intent``) are copied: the receiver answers it now.  A commit
     with no intent before it is a protocol violation."""
 
     transfer_id: NonNeg

@@ -150,3 +150,33 @@ def test_chunk_check_is_exact_and_cheap() -> None:
     for _ in range(20):
         chunk_ok(chunk, 3, 1, 144)
     assert (time.perf_counter() - start) / 20 < 100e-6
+
+
+def test_compare_lists_every_run_and_meets_a_target_only_if_every_run_met(tmp_path: Path) -> None:
+    """``python -m bench compare A B`` shows both runs' numbers side by side, in order, and a
+    target is met only if it was met in every run."""
+    def summary(p50: float, gbps: float) -> dict[str, float]:
+        return {"p50_us": p50, "p99_us": p50 * 2, "gbps": gbps, "n": 5}
+
+    def blocks(omni_gbps: float, met: bool) -> dict[str, Any]:
+        row = {"workload": "256×64 KiB scattered", "kind": "throughput", "memcpy": summary(1, 9.0),
+               "memcpy_rows": summary(1, 12.0), "omni_async": summary(1, omni_gbps), "nixl": None}
+        target = {"row": "b", "ratio": round(omni_gbps / 12.0, 3), "threshold": 0.85, "met": met}
+        return {"date": "2026-12-01", "command": "python -m bench blocks", "results": {"b": row},
+                "ratios": {"b": {"vs_nixl": None, "vs_memcpy": 1.0, "vs_rows": round(omni_gbps / 12.0, 3)}},
+                "targets": {"b ≥ 0.85× rows copy": target}}
+
+    folders = []
+    for name, gbps, met in (("A", 11.0, True), ("B", 9.0, False)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "blocks.json").write_text(json.dumps(blocks(gbps, met)))
+        (folder / "idle.json").write_text(json.dumps({"cpu_pct_of_one_core": {"total": 0.3}, "met": True}))
+        folders.append(str(folder))
+    proc = subprocess.run([sys.executable, "-m", "bench", "compare", *folders], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "| b | 256×64 KiB scattered | 12.00 / 12.00 GB/s | 11.00 / 9.00 GB/s | n/a / n/a GB/s | n/a / n/a | 0.92× / 0.75× |" in out
+    assert "| b ≥ 0.85× rows copy | 0.92× / 0.75× | missed |" in out
+    assert "| idle pair < 1 % of a core | 0.300 % / 0.300 % | **met** |" in out

@@ -369,6 +369,21 @@ async def test_a_one_block_write_over_tcp_is_one_hand_off_each_way(make_agent):
     assert per_write <= 3, f"{per_write} lane wake-ups per 1-block write over tcp (rendezvous: 6)"
 
 
+def test_iov_of_runs_names_the_rows_of_each_run_in_every_array_in_payload_order():
+    """The gathered payload's IOV computed from the runs is the IOV of the rows themselves:
+    run by run, and within a run array by array (regions of different row lengths)."""
+    from omni_async.region import plan_runs
+
+    arrays = [np.zeros((64, 256), np.uint8), np.zeros((64, 96), np.uint8)]
+    rng = np.random.default_rng(5)
+    local = [int(i) for i in rng.choice(60, 30, replace=False)] + [60, 61, 62, 63]
+    runs = plan_runs(local, list(range(34)), 64, 64)
+    assert any(run.length > 1 for run in runs) and any(run.length == 1 for run in runs)
+    rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs for array in arrays]
+    assert np.array_equal(iov.iov_of_runs(arrays, runs), iov.iov_of(rows))
+    assert iov.iov_of_runs(arrays, runs).dtype == np.uint64
+
+
 def test_address_of_is_the_first_byte_of_any_flat_byte_array():
     """The lane's contiguous sends and receives name a buffer by this address: writable
     (region rows, a row in the middle of a region), read-only (encoded headers) and empty."""

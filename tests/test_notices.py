@@ -283,6 +283,28 @@ async def test_intent_is_answered_on_its_commit_and_stray_commits_drop_the_peer(
     assert b.transport.notices.get_nowait() is None
 
 
+async def test_a_second_intent_of_a_part_before_its_commit_drops_the_peer(make_agent):
+    """An announced write without a notice (``intent``) is answered on its commit; a second
+    intent for the same write and part while the first awaits its commit is a protocol
+    violation (it would take the first one's answer)."""
+    b = await make_agent(peer_id="b")
+    async with Rogue.join(b.control_address) as rogue:
+        await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+        rogue.send(encode_header(WriteRequest(4, 0, [(5, 3)], placed=True, intent=True)), HEADER_TAG)
+        async with asyncio.timeout(5):
+            while not b.transport.links["rogue"].intents:
+                await asyncio.sleep(0.01)
+        rogue.send(encode_header(Commit(4)), HEADER_TAG)
+        async with asyncio.timeout(5):
+            while b.transport.links["rogue"].intents:
+                await asyncio.sleep(0.01)
+        rogue.send(encode_header(WriteRequest(5, 0, [(5, 3)], placed=True, intent=True)), HEADER_TAG)
+        rogue.send(encode_header(WriteRequest(5, 0, [(9, 1)], placed=True, intent=True)), HEADER_TAG)
+        async with asyncio.timeout(5):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.02)
+
+
 async def test_notice_over_the_announced_limit_is_a_protocol_violation(make_agent):
     b = await make_agent(peer_id="b", max_notice_bytes=4)
     async with Rogue.join(b.control_address) as rogue:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_async.errors import PeerLost
+from omni_async.errors import PeerLost, TransferFailed
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
 from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header
@@ -152,9 +152,9 @@ def test_the_producer_wakes_a_sleeping_consumer_once_per_sleep():
 
 
 # -- two agents in this process --------------------------------------------------------------------
-async def pair(make_agent, **config):
-    a = await make_agent(16, 4096, peer_id="a", **config)
-    b = await make_agent(16, 4096, peer_id="b", **config)
+async def pair(make_agent, num_blocks=16, block_len=4096, **config):
+    a = await make_agent(num_blocks, block_len, peer_id="a", **config)
+    b = await make_agent(num_blocks, block_len, peer_id="b", **config)
     await asyncio.wait_for(a.connect(b.control_address), 10)
     await asyncio.wait_for(b.wait_for_peer("a"), 10)
     links = a.transport.links["b"], b.transport.links["a"]
@@ -264,6 +264,95 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     assert time.process_time() - cpu < 0.05
 
 
+async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(make_agent):
+    """A same-host write of at least ANNOUNCE_BYTES goes into the receiver's ring as an intent
+    before its copy, and a commit after it (the receiver checks it meanwhile and is awake for
+    the commit); a small one is copied first and then told with one placed header."""
+    from omni_async.transport.ucx import ANNOUNCE_BYTES
+    from omni_async.wire import Commit, WriteRequest, decode_header
+
+    a, b = await pair(make_agent, num_blocks=64, block_len=64 << 10)
+    a.region.array[:] = np.random.default_rng(3).integers(0, 256, a.region.array.shape, dtype=np.uint8)
+    ring = a.transport.links["b"].ring_out
+    records: list[object] = []
+    put = ring.send
+    rows = b.region.array
+    ring.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
+        records.append((decode_header(parts[0]), rows[40:44].copy())), put(kind, parts))[1]
+    large = ANNOUNCE_BYTES // a.region.block_len
+    local, remote = list(range(large)), [40 + i for i in range(large)]
+    await asyncio.wait_for(a.write_blocks("b", local, remote), 5)
+    (intent, before), (commit, after) = records
+    assert isinstance(intent, WriteRequest) and intent.placed and intent.intent and intent.announced
+    assert intent.notice is None and intent.runs == [(40, large)]
+    assert not before.any() and np.array_equal(after, a.region.array[:4])  # announced before the copy
+    assert commit == Commit(intent.transfer_id, 0)
+    assert np.array_equal(rows[remote], a.region.array[local])
+    records.clear()
+    await asyncio.wait_for(a.write_blocks("b", [1], [2]), 5)
+    (small, _rows), = records
+    assert isinstance(small, WriteRequest) and small.placed and not small.announced
+    assert b.transport.links["a"].intents == {}
+
+
+async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(make_agent):
+    """A large write split into several requests (the receiver's max_write_blocks): each
+    request is its own intent and commit, numbered ``part`` of ``parts``, so no two are ever
+    confused (a commit may travel over the lane while the next intent is in the ring)."""
+    from omni_async.wire import Commit, WriteRequest, decode_header
+
+    a = await make_agent(64, 64 << 10, peer_id="a")
+    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    link = a.transport.links["b"]
+    async with asyncio.timeout(5):
+        while not (link.ring_out and b.transport.links["a"].ring_out):
+            await asyncio.sleep(0.01)
+    a.region.array[:] = np.random.default_rng(4).integers(0, 256, a.region.array.shape, dtype=np.uint8)
+    records: list[object] = []
+    put = link.ring_out.send
+    link.ring_out.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
+        records.append(decode_header(parts[0])), put(kind, parts))[1]
+    rows = list(range(48))  # three requests of 16 blocks (1 MiB each)
+    await asyncio.wait_for(a.write_blocks("b", rows, rows[::-1]), 5)
+    intents = [r for r in records if isinstance(r, WriteRequest)]
+    commits = [r for r in records if isinstance(r, Commit)]
+    assert [(r.part, r.parts, r.announced) for r in intents] == [(0, 3, True), (1, 3, True), (2, 3, True)]
+    assert [c.part for c in commits] == [0, 1, 2]
+    assert np.array_equal(b.region.array[47::-1], a.region.array[:48])
+    assert b.transport.links["a"].intents == {}
+
+
+async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
+    """The copy of an announced write fails (no permission, say): the write fails, an abort
+    clears the receiver's intent (it never waits for a commit that will not come), and later
+    writes go through UCX."""
+    a, b = await pair(make_agent, num_blocks=64, block_len=64 << 10)
+    link = a.transport.links["b"]
+    direct = link.direct
+
+    class Refusing:  # fault injection around the real writers
+        kind, num_blocks, mapped = direct.kind, direct.num_blocks, direct.mapped
+
+        def place(self, srcs, runs):
+            raise PermissionError(1, "not permitted")
+
+        def close(self):
+            direct.close()
+
+    link.direct = Refusing()
+    rows = list(range(32))  # 2 MiB: announced
+    with pytest.raises(TransferFailed, match="not permitted"):
+        await asyncio.wait_for(a.write_blocks("b", rows, rows), 5)
+    intents = b.transport.links["a"].intents
+    async with asyncio.timeout(5):
+        while intents:
+            await asyncio.sleep(0.01)
+    a.region.array[:32] = 5
+    await asyncio.wait_for(a.write_blocks("b", rows, rows), 5)  # over UCX now
+    assert (b.region.array[:32] == 5).all() and link.direct is None and "a" in b.peers
+
+
 async def test_switch_off_leaves_everything_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
     assert a.transport.links["b"].ring_in is None and a.transport.links["b"].ring_out is None
@@ -362,6 +451,73 @@ async def test_drain_delivers_every_published_record_now_but_never_inside_a_turn
         assert got == [b"%d" % i for i in range(600)] and nested == [1]
         receiver.drain()  # nothing new: nothing twice
         assert len(got) == 600
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_then_sleeps():
+    """While told to stay awake (an intent's commit is due) the receiver polls its ring turn
+    after turn: a record from another thread is taken with no pipe wake-up.  Told it is over,
+    or once the time is up, it sleeps: no turns while idle."""
+    got: list[bytes] = []
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    receiver.lost_core = float("inf")  # a loaded host may take its core away mid-spin: not here
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        await asyncio.sleep(0.02)
+        turns = receiver.turns
+        receiver.stay_awake(5.0)
+        await asyncio.sleep(0.05)
+        assert receiver.turns > turns + 2  # polling, the loop's other callbacks in between
+        wakeups = receiver.wakeups
+        await asyncio.to_thread(sender.send, samehost.KIND_HEADER, [b"commit"])
+        async with asyncio.timeout(5):
+            while not got:
+                await asyncio.sleep(0)
+        assert got == [b"commit"] and receiver.wakeups == wakeups  # no wake-up was needed
+        receiver.stay_awake(0)
+        await asyncio.sleep(0.05)
+        turns = receiver.turns
+        await asyncio.sleep(0.1)
+        assert receiver.turns == turns  # asleep
+        receiver.stay_awake(0.03)  # nothing comes: bounded
+        await asyncio.sleep(0.15)
+        turns = receiver.turns
+        await asyncio.sleep(0.1)
+        assert receiver.turns == turns
+        assert sender.send(samehost.KIND_HEADER, [b"later"])  # and a record still wakes it
+        async with asyncio.timeout(5):
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+        assert receiver.wakeups == wakeups + 1
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_a_receiver_that_loses_its_core_while_staying_awake_sleeps_and_is_woken():
+    """A spin that took longer than ``lost_core`` (another process had the core) ends the
+    wait for the commit: the receiver sleeps, and the record wakes it (a wake-up lets the
+    scheduler run it at once; polling would only take the core from whoever needs it)."""
+    got: list[bytes] = []
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    receiver.lost_core = 0.0  # every spin counts as one that lost the core
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        await asyncio.sleep(0.02)
+        receiver.stay_awake(5.0)
+        await asyncio.sleep(0.05)
+        turns, wakeups = receiver.turns, receiver.wakeups
+        await asyncio.sleep(0.1)
+        assert receiver.turns == turns  # asleep after one fruitless spin, though 5 s were granted
+        assert sender.send(samehost.KIND_HEADER, [b"commit"])
+        async with asyncio.timeout(5):
+            while not got:
+                await asyncio.sleep(0.01)
+        assert receiver.wakeups == wakeups + 1
     finally:
         sender.close()
         receiver.close()

@@ -164,6 +164,32 @@ def test_open_writer_only_for_peers_on_this_host_that_offer_it():
     assert open_writer(peer_info(msgspec.structs.replace(offer, pid=(1 << 22) + 1)), "h") is None  # no such process
 
 
+def test_both_writers_place_many_scattered_runs_exactly():
+    """Scattered one-block runs and longer ones, more than a handful (the vectorised iovec path
+    of process_vm_writev), land in exactly the named rows."""
+    from omni_async.region import plan_runs
+
+    rng = np.random.default_rng(7)
+    local = [int(i) for i in rng.choice(64, 40, replace=False)] + [60, 61, 62]
+    remote = [int(i) for i in rng.choice(60, 40, replace=False)] + [60, 61, 62]
+    runs = plan_runs(local, remote, 64, 64)
+    src = rng.integers(0, 255, (64, 256), dtype=np.uint8)
+    allocated = BlockRegion.allocate(64, 256)
+    wrapped = BlockRegion.wrap(np.zeros((64, 256), np.uint8))
+    mapped = open_writer(peer_info(share_of(allocated.segment), num_blocks=64, block_len=256), "h")
+    vm = open_writer(peer_info(advertise(wrapped), num_blocks=64, block_len=256, base_addr=wrapped.base_addr), "h")
+    assert mapped is not None and vm is not None and vm.kind == "process_vm_writev"
+    try:
+        for writer, region in ((mapped, allocated), (vm, wrapped)):
+            writer.place(src, runs)
+            assert np.array_equal(region.array[remote], src[local])
+            untouched = np.setdiff1d(np.arange(64), remote)
+            assert not region.array[untouched].any()
+    finally:
+        mapped.close()
+        vm.close()
+
+
 async def test_process_vm_writev_needs_the_peers_proof():
     """A peer cannot point our writes at another process: the advertised pid must hold the
     advertised token at the advertised address."""

@@ -29,6 +29,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
@@ -36,6 +38,8 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr
+
+    from ..region import Run
 
 UCS_OK: Final = 0
 UCS_INPROGRESS: Final = 1
@@ -141,12 +145,26 @@ _CONTIG_REF = ctypes.byref(_RequestParam())  # no datatype field: contiguous byt
 
 
 def iov_of(buffers: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
-    """The ``ucp_dt_iov_t`` array (address, length) of C-contiguous byte arrays, in order."""
-    iov = np.empty((len(buffers), 2), np.uint64)
-    for i, buffer in enumerate(buffers):
-        iov[i, 0] = buffer.__array_interface__["data"][0]
-        iov[i, 1] = buffer.nbytes
-    return iov
+    """The ``ucp_dt_iov_t`` array (address, length) of C-contiguous byte arrays, in order.
+
+    Addresses come from :func:`address_of` and the array is built once from a list: a third
+    of the cost of ``__array_interface__`` and an element store per buffer (256 region rows:
+    ~120 µs instead of ~365 µs, measured)."""
+    return np.array([(address_of(buffer), buffer.nbytes) for buffer in buffers], np.uint64).reshape(-1, 2)
+
+
+def iov_of_runs(arrays: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run]) -> npt.NDArray[np.uint64]:
+    """The ``ucp_dt_iov_t`` array of the rows ``[run.local, run.local + run.length)`` of each
+    2-D C-contiguous byte array, run by run and, within a run, array by array (the order of a
+    write's gathered payload): computed from each array's address and row length, with no
+    view per row (256 one-block runs: ~30 µs, :func:`iov_of` of their rows ~200 µs)."""
+    table = np.fromiter(chain.from_iterable(runs), np.uint64, 3 * len(runs)).reshape(-1, 3)
+    vector = np.empty((len(runs), len(arrays), 2), np.uint64)
+    for i, array in enumerate(arrays):
+        row = np.uint64(array.shape[1])
+        vector[:, i, 0] = np.uint64(array.__array_interface__["data"][0]) + table[:, 0] * row
+        vector[:, i, 1] = table[:, 2] * row
+    return vector.reshape(-1, 2)
 
 
 class RecvInfo(ctypes.Structure):

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import PeerLost, ProtocolError
 from . import iov, rma
@@ -212,8 +213,13 @@ class Lane:
         if len(buffers) == 1:  # one buffer: UCX's contiguous path, and no IOV to build
             self.send(buffers[0], tag, done)
             return
-        vector = iov.iov_of(buffers)
-        self._post(lambda: iov.send(self._endpoint, tag, vector), (buffers, vector), done)
+        self.send_iov(iov.iov_of(buffers), buffers, tag, done)
+
+    def send_iov(self, vector: npt.NDArray[np.uint64], keepalive: object, tag: int, done: Completion) -> None:
+        """Post one tagged send gathering the ``(address, length)`` rows of ``vector`` (two or
+        more, see :mod:`.iov`); ``keepalive`` keeps the memory they name alive until ``done``
+        runs."""
+        self._post(lambda: iov.send(self._endpoint, tag, vector), (keepalive, vector), done)
 
     def recv_arrived_many(self, buffers: list[Any], message: int, done: Completion) -> None:
         """Receive a message taken by a watch, scattered over ``buffers`` (their sizes must add

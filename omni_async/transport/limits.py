@@ -72,13 +72,18 @@ class Window:
         self.nbytes -= smallest[1]
 
 
-def split_runs(runs: Sequence[Run], max_blocks: int, max_runs: int = RUNS_PER_REQUEST) -> list[list[Run]]:
+def split_runs(
+    runs: Sequence[Run], max_blocks: int, max_runs: int = RUNS_PER_REQUEST, blocks: int | None = None
+) -> list[list[Run]]:
     """Split ``runs`` (in order) into requests of at most ``max_runs`` runs and ``max_blocks``
     blocks each; a run longer than ``max_blocks`` is cut at block boundaries.  Every block of
-    ``runs`` is in exactly one request, in the same order."""
+    ``runs`` is in exactly one request, in the same order.  ``blocks``: the runs' total length,
+    if the caller knows it (else it is summed)."""
     if max_blocks < 1 or max_runs < 1:
         raise ValueError(f"limits must be positive, got max_blocks={max_blocks} max_runs={max_runs}")
-    if len(runs) <= max_runs and sum(run.length for run in runs) <= max_blocks:
+    if blocks is None:
+        blocks = sum(run.length for run in runs)
+    if len(runs) <= max_runs and blocks <= max_blocks:
         return [list(runs)] if runs else []  # the common case: one request, no run cut
     requests: list[list[Run]] = []
     batch: list[Run] = []

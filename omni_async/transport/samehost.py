@@ -16,8 +16,10 @@ published so far (one batch) and, if there were some, comes back after the callb
 woke; a turn that finds none spins on the ring's head for at most ``SPIN`` seconds if an
 answer is expected (a transfer awaits its acknowledgement: always) or records came in the
 last turn (speculative: only while such spins pay), then marks itself asleep (odd epoch) and
-sleeps.  A sender writes one byte into the pipe
-after a record only when the receiver sleeps, once per sleep.  An idle pair costs nothing:
+sleeps; while the owner expects a record soon (the commit of a write the peer copies now:
+:meth:`RingReceiver.stay_awake`, bounded) a turn spins and comes back instead of sleeping.  A
+sender writes one byte into the pipe after a record only when the receiver sleeps, once per
+sleep.  An idle pair costs nothing:
 one fruitless spin after the last record, then both sides sleep.
 
 Failure rules: a killed receiver leaves its ring mapped here (our mapping keeps the pages; a
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -40,7 +43,7 @@ from ..memfd import SharedSegment
 from ..wire import RingOffer
 from .ring import Consumer, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
-from .turns import NextTurn, SpinGate
+from .turns import NextTurn, SpinGate, spin
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ KIND_MESSAGE: Final = 2
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping."""
+LOST_CORE: Final = 4 * SPIN
+"""A spin of ``SPIN`` that took longer than this lost the core to another process meanwhile."""
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
@@ -90,12 +95,16 @@ class RingReceiver:
         self._closed = False
         self._next_turn = NextTurn(loop)
         self._active = False
+        self._awake_until = 0.0
         self._spin_gate = SpinGate()
         self._delivering = False
         self.turns = 0
         """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
         """Pipe wake-ups so far (for idle-CPU tests)."""
+        self.lost_core = LOST_CORE
+        """Seconds after which a fruitless spin while staying awake counts as having lost the
+        core (:meth:`stay_awake` then ends)."""
         self._consumer.sleep()  # until the first record, the sender must wake us
         loop.add_reader(self._read, self._readable)
 
@@ -128,10 +137,21 @@ class RingReceiver:
         if not self._closed:
             self._next_turn(self.run)
 
+    def stay_awake(self, seconds: float) -> None:
+        """The peer is about to put a record in (the commit of a write it copies now): for
+        ``seconds`` from now a turn that finds none spins (at most ``SPIN``) and comes back on
+        the next loop turn instead of sleeping, so the record is taken as soon as it comes,
+        without a wake-up.  ``0`` ends that early (the record came, or will not); so does a spin
+        during which another process had the core (a wake-up serves better then)."""
+        self._awake_until = time.perf_counter() + seconds if seconds > 0 else 0.0
+        if seconds > 0:
+            self.kick()  # (if called outside a turn, by drain(), while this side sleeps)
+
     def run(self) -> None:
         """One turn: deliver the records published so far (at most a batch), then come back
         after the callbacks they woke; with none, spin (at most ``SPIN``) if an answer is
-        expected or records came in the last turn, else sleep."""
+        expected or records came in the last turn, else sleep; while told to stay awake
+        (:meth:`stay_awake`), spin and come back."""
         if self._closed:
             return
         self.turns += 1
@@ -139,12 +159,24 @@ class RingReceiver:
         consumer.awake()
         try:
             delivered = self._take_batch()
-            if not delivered and not self._closed and self._may_spin() and self._spin_gate.spin(consumer.ready, SPIN):
-                delivered = self._take_batch()
+            awake = not delivered and time.perf_counter() < self._awake_until
+            if not delivered and not self._closed:
+                if awake:  # not counted by the gate: the commit's time is the copy's, not the peer's pace
+                    started = time.perf_counter()
+                    hit = spin(consumer.ready, SPIN)
+                    if not hit and time.perf_counter() - started > self.lost_core:
+                        # Another process had this core meanwhile: polling costs it more than a
+                        # wake-up (which also lets the scheduler run us at once): sleep.
+                        self._awake_until = 0.0
+                        awake = False
+                else:
+                    hit = self._may_spin() and self._spin_gate.spin(consumer.ready, SPIN)
+                if hit:
+                    delivered = self._take_batch()
             if self._closed:
                 return
             self._active = delivered > 0
-            if delivered or consumer.sleep():  # (a record may have come just before it slept)
+            if delivered or awake or consumer.sleep():  # (a record may have come just before it slept)
                 consumer.awake()
                 self.kick()
         except ProtocolError as exc:

@@ -91,7 +91,7 @@ from ..wire import (
     validate_message,
     validate_write,
 )
-from . import iov
+from .iov import address_of, iov_of_runs
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
@@ -111,6 +111,14 @@ _GATHER_MAX_RUN = 256 * 1024
 PUT_MIN_BYTES = 64 * 1024
 """A write request of one payload message up to this size goes as a tag message even where
 puts are on (one round trip; a put and its flush take two)."""
+ANNOUNCE_BYTES = 1 << 20
+"""A same-host write request (no notice) of at least this many bytes is announced with an
+intent before its copy (some 100 µs or more): the receiver checks it and stays awake for its
+commit meanwhile, instead of sleeping until a wake-up after the copy.  Smaller ones are
+copied, then told (their copy is shorter than a wake-up)."""
+INTENT_WAIT = 3e-3
+"""Seconds a receiver polls its ring for the commit of an intent before it sleeps again
+(the longest copy it stays awake for; a later commit wakes it as any record does)."""
 DRAIN_TIMEOUT = 1.0
 """Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
 
@@ -604,7 +612,10 @@ class UcxTransport:
         # More runs or blocks than one request may carry (the receiver's limits): several
         # requests under the same transfer id, settled by the last acknowledgement.
         direct = link.direct
-        placed = direct is not None and max(run.remote + run.length for run in runs) <= direct.num_blocks
+        placed = direct is not None and (
+            direct.num_blocks >= link.peer.num_blocks  # the runs are bounded by the peer's layout
+            or max(run.remote + run.length for run in runs) <= direct.num_blocks
+        )
         # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
         placed = placed and (notice is None or link.ring_out is not None)
         # Puts: a write without a notice to a peer that offered its keys (tcp, other hosts).
@@ -612,17 +623,27 @@ class UcxTransport:
         requests: list[tuple[int, int, Callable[[], None]]] = []
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
-        split = split_runs(runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers))
+        split = split_runs(
+            runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers), blocks
+        )
+        announced = False
         for part, request in enumerate(split):
             tag = None if notice is None else _Tag(notice, part, len(split))
             if placed:  # same host: copied straight into the peer's rows, no payload message
-                # A request with a notice counts as a payload message: the receiver's bound
-                # on writes with notices pending is the window's.
-                if tag is None:
-                    requests.append((0, 0, partial(self._place, link, transfer.id, request)))
-                else:
-                    place = partial(self._place_noticed, link, transfer.id, request, tag)
+                # An intent counts as a payload message: the receiver's bound on intents
+                # pending is the window's.
+                if tag is not None:
+                    place = partial(self._place_announced, link, transfer.id, request, tag, part)
                     requests.append((1, 0, partial(self._gate, link, transfer.id, True, place)))
+                elif (
+                    link.ring_out is not None
+                    and _request_blocks(request, blocks, len(split)) * block_bytes >= ANNOUNCE_BYTES
+                ):
+                    announced = True
+                    announce = partial(self._place_announced, link, transfer.id, request, None, part, len(split))
+                    requests.append((1, 0, announce))
+                else:
+                    requests.append((0, 0, partial(self._place, link, transfer.id, request)))
                 continue
             nbytes = sum(run.length for run in request) * block_bytes
             messages = len(request) * layers
@@ -638,7 +659,8 @@ class UcxTransport:
             if tag is not None:
                 post = partial(self._gate, link, transfer.id, False, post)
             requests.append((1 if gather else messages, 0, post))
-        _carry_out(link.outbox.submit(transfer.id, requests, noticed=notice is not None))
+        # An announced write given up is aborted, as one with a notice: its intents fail.
+        _carry_out(link.outbox.submit(transfer.id, requests, noticed=notice is not None or announced))
         return transfer
 
     def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
@@ -709,11 +731,10 @@ class UcxTransport:
         on_sent = partial(self._sent, link, transfer_id)
         lane = link.lane
         lane.send(encode_header(header), HEADER_TAG, on_sent)
-        rows = self._rows([(run.local, run.length) for run in runs])
-        if gather:
-            lane.send_many(rows, data_tag(seq), on_sent)  # one message, gathered from the rows
+        if gather:  # one message, gathered from the rows (two or more: see _write_runs)
+            lane.send_iov(iov_of_runs(self._arrays, runs), self._arrays, data_tag(seq), on_sent)
         else:
-            for i, row in enumerate(rows):
+            for i, row in enumerate(self._rows([(local, length) for local, _remote, length in runs])):
                 lane.send(row, data_tag(seq + i), on_sent)
 
     def _put_write(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
@@ -733,7 +754,7 @@ class UcxTransport:
         layers = len(lens)
         for i, row in enumerate(rows):
             run, layer = runs[i // layers], i % layers
-            puts.append((iov.address_of(row), row.nbytes, bases[layer] + run.remote * lens[layer], keys[layer]))
+            puts.append((address_of(row), row.nbytes, bases[layer] + run.remote * lens[layer], keys[layer]))
         link.lane.put(puts, rows, partial(self._flushed, link, transfer_id, runs))
 
     def _flushed(self, link: PeerLink, transfer_id: int, runs: list[Run], error: BaseException | None) -> None:
@@ -750,25 +771,36 @@ class UcxTransport:
             header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
             self._send_header(link, header, partial(self._sent, link, transfer_id))
 
-    def _place_noticed(self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag) -> None:
-        """A request with a notice to a peer on this host: its intent (the ``placed`` header)
-        goes into the peer's ring before any byte is copied, so that the peer knows of the
-        write even if this process dies during the copy; a :class:`~omni_async.wire.Commit`
-        follows the copy.  With no room in a ring (none, full, broken) the rows travel over
-        UCX behind their header instead (one gathered message: the window share it took)."""
-        header = encode_header(_write_request(transfer_id, link.outbox.take_seq(0), runs, tag, placed=True))
+    def _place_announced(
+        self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
+    ) -> None:
+        """A request to a peer on this host announced before its copy: its intent (the
+        ``placed`` header) goes into the peer's ring before any byte is copied and a
+        :class:`~omni_async.wire.Commit` follows the copy.  With a notice (``tag``), so that the
+        peer knows of the write even if this process dies during the copy; without one (a
+        large write), so that the peer checks the runs during the copy and is awake, polling
+        its ring, when the commit comes (see :data:`ANNOUNCE_BYTES`).  With no room in a ring
+        (none, full, broken) a request with a notice travels over UCX behind its header (one
+        gathered message: the window share it took), one without is copied and then told.
+        ``part`` of ``parts``: which request of the write this is (a notice's tag says so too)."""
+        seq = link.outbox.take_seq(0)
+        intent = _write_request(transfer_id, seq, runs, tag, placed=True, intent=tag is None, part=part, parts=parts)
         try:
-            in_ring = link.direct is not None and self._ring_put(link, header)
+            in_ring = link.direct is not None and self._ring_put(link, encode_header(intent))
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             self._drop(link, exc)
             return
         if not in_ring:
-            self._post_write(link, transfer_id, runs, True, tag)
+            if tag is None:
+                self._place(link, transfer_id, runs)
+            else:
+                self._post_write(link, transfer_id, runs, True, tag)
             return
-        self._count_noticed(link, transfer_id, lane=False)
+        if tag is not None:
+            self._count_noticed(link, transfer_id, lane=False)
         if self._copy(link, transfer_id, runs):
-            self._send_header(link, Commit(transfer_id, tag.part), partial(self._sent, link, transfer_id))
+            self._send_header(link, Commit(transfer_id, part), partial(self._sent, link, transfer_id))
 
     def _copy(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> bool:
         """Copy the runs into the peer's region (same host); False if that failed.
@@ -1146,7 +1178,7 @@ class UcxTransport:
                 return
             if req.placed:  # nothing to drain: no payload follows
                 log.warning("refused placed write %d from %s: %s", req.transfer_id, link.peer.peer_id, exc)
-                if req.notice is None:
+                if not req.announced:
                     refuse(InvalidBlocks(str(exc)))
                 else:
                     self._intend(link, req, refuse, InvalidBlocks(str(exc)))
@@ -1157,7 +1189,7 @@ class UcxTransport:
         if finish is None:
             return
         if req.placed:  # no payload follows: the rows are (or, for an intent, will be) copied
-            if req.notice is None:
+            if not req.announced:
                 finish(None)
             else:
                 self._intend(link, req, finish, None)
@@ -1175,8 +1207,14 @@ class UcxTransport:
 
     def _rows(self, runs: Sequence[tuple[int, int]]) -> list[npt.NDArray[np.uint8]]:
         """The flat rows of ``(start, count)`` runs in every region of the set, run by run: the
-        order of a write's payload messages (or of its gathered one)."""
-        return [array[start : start + count].reshape(-1) for start, count in runs for array in self._arrays]
+        order of a write's payload messages (or of its gathered one).  A one-block run is the
+        row by index (half the cost of a slice and a reshape)."""
+        arrays = self._arrays
+        return [
+            array[start] if count == 1 else array[start : start + count].reshape(-1)
+            for start, count in runs
+            for array in arrays
+        ]
 
     def _intend(self, link: PeerLink, req: WriteRequest, answer: Completion, refusal: InvalidBlocks | None) -> None:
         """An intent: the sender copies its rows now; it is answered (``refusal``, or done)
@@ -1184,7 +1222,13 @@ class UcxTransport:
         if len(link.intents) >= MAX_PENDING_PAYLOADS:
             self._drop(link, ProtocolError(f"over {MAX_PENDING_PAYLOADS} intents awaiting a commit"))
             return
+        if (req.transfer_id, req.part) in link.intents:
+            error = ProtocolError(f"a second intent of write {req.transfer_id} part {req.part} before its commit")
+            self._drop(link, error)
+            return
         link.intents[req.transfer_id, req.part] = (answer, refusal)
+        if link.ring_in is not None:
+            link.ring_in.stay_awake(INTENT_WAIT)  # the sender copies now: its commit is near
 
     def _on_commit(self, link: PeerLink, commit: Commit) -> None:
         """The rows of an intent are copied: answer it (a commit with no intent: dropped)."""
@@ -1194,6 +1238,8 @@ class UcxTransport:
             self._drop(link, error)
             return
         answer, refusal = intent
+        if not link.intents and link.ring_in is not None:
+            link.ring_in.stay_awake(0)  # no other commit is due
         answer(refusal)
 
     def _on_abort(self, link: PeerLink, abort: Abort) -> None:
@@ -1204,6 +1250,8 @@ class UcxTransport:
         for key in [key for key in link.intents if key[0] == abort.transfer_id]:
             answer, _refusal = link.intents.pop(key)
             answer(error)
+        if not link.intents and link.ring_in is not None:
+            link.ring_in.stay_awake(0)
 
     def _answerer(self, link: PeerLink, req: WriteRequest, nbytes: int, *, valid: bool) -> Completion | None:
         """What answers this write request: its acknowledgement, through the peer's notice
@@ -1426,12 +1474,27 @@ class _Tag:
 
 
 def _write_request(
-    transfer_id: int, seq: int, runs: list[Run], tag: _Tag | None, *, gathered: bool = True, placed: bool = False
+    transfer_id: int,
+    seq: int,
+    runs: list[Run],
+    tag: _Tag | None,
+    *,
+    gathered: bool = True,
+    placed: bool = False,
+    intent: bool = False,
+    part: int = 0,
+    parts: int = 1,
 ) -> WriteRequest:
-    pairs = [(run.remote, run.length) for run in runs]
+    """A write request's header; ``part`` of ``parts`` unless the notice's ``tag`` says."""
+    pairs = [(remote, length) for _local, remote, length in runs]
     if tag is None:
-        return WriteRequest(transfer_id, seq, pairs, gathered, placed)
+        return WriteRequest(transfer_id, seq, pairs, gathered, placed, part=part, parts=parts, intent=intent)
     return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
+
+
+def _request_blocks(request: list[Run], blocks: int, requests: int) -> int:
+    """Blocks of one request of a write of ``blocks`` split into ``requests``."""
+    return blocks if requests == 1 else sum(run.length for run in request)
 
 
 def _awaits_answer(link: PeerLink) -> bool:
