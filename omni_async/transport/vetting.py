@@ -56,6 +56,10 @@ _START_TIMEOUT: Final = 30.0  # seconds the zygote may take to import ucxx
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
 
 
+class NotVetted(ProtocolError):
+    """A check that reached no verdict: it timed out, or too many checks were waiting."""
+
+
 class AddressVetter:
     """Checks addresses in child processes; safe to share between loops and threads.
 
@@ -80,8 +84,9 @@ class AddressVetter:
 
     async def check(self, address: bytes, timeout: float = DEADLINE, *, keys: Sequence[bytes] = ()) -> None:
         """Return if a UCX endpoint can be created from ``address`` (and, with ``keys``, each
-        packed remote key unpacked on it: :mod:`.rma`); else raise ProtocolError (unusable,
-        not vetted within ``timeout`` seconds, or too many checks waiting)."""
+        packed remote key unpacked on it: :mod:`.rma`); else raise ProtocolError (unusable),
+        or its :class:`NotVetted` (not vetted within ``timeout`` seconds, or too many checks
+        waiting)."""
         verdict: bool | None = None
         try:
             async with asyncio.timeout(timeout):
@@ -99,7 +104,7 @@ class AddressVetter:
             why = "are not usable UCX remote keys" if keys else "is not a usable UCX worker address"
             if verdict is None:
                 why = f"{'were' if keys else 'was'} not vetted within {timeout}s"
-            raise ProtocolError(f"{what} {why}")
+            raise (NotVetted if verdict is None else ProtocolError)(f"{what} {why}")
 
     @property
     def fds(self) -> set[int]:
@@ -141,7 +146,7 @@ class AddressVetter:
                 return
             if len(self._waiting) >= self._max_pending:
                 self.refused += 1
-                raise ProtocolError(f"address vetting is saturated ({self._max_pending} checks waiting)")
+                raise NotVetted(f"address vetting is saturated ({self._max_pending} checks waiting)")
             granted: asyncio.Future[None] = loop.create_future()
             self._waiting.append((loop, granted))
         try:
