@@ -12,7 +12,17 @@ import zmq
 import zmq.asyncio
 
 from omni_async.transport.lane import load_ucxx, new_context
-from omni_async.wire import MAX_CONTROL_BYTES, Bye, Heartbeat, Hello, Reject, Welcome, decode_control, encode_control
+from omni_async.wire import (
+    MAX_CONTROL_BYTES,
+    PROTOCOL_VERSION,
+    Bye,
+    Heartbeat,
+    Hello,
+    Reject,
+    Welcome,
+    decode_control,
+    encode_control,
+)
 
 from .helpers.procfs import fd_targets
 
@@ -30,7 +40,7 @@ def real_address() -> bytes:
 
 
 def hello(peer_id: str, metadata: bytes, **overrides) -> Hello:
-    fields = dict(version=1, peer_id=peer_id, nonce=1, agent_metadata=metadata, base_addr=4096,
+    fields = dict(version=PROTOCOL_VERSION, peer_id=peer_id, nonce=1, agent_metadata=metadata, base_addr=4096,
                   num_blocks=64, block_len=4096, fingerprint="")
     fields.update(overrides)
     return Hello(**fields)

@@ -9,7 +9,7 @@ import pytest
 
 from omni_async import BlockRegion, ConfigError, LayoutMismatch, ProtocolError
 from omni_async.region import RegionSet
-from omni_async.wire import Hello, Layer, decode_control, encode_control
+from omni_async.wire import PROTOCOL_VERSION, Hello, Layer, decode_control, encode_control
 
 from .conftest import fast_config
 
@@ -58,10 +58,10 @@ def test_a_set_shares_num_blocks():
 
 
 def test_hello_carries_every_layout_and_each_is_checked():
-    hello = Hello(version=1, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
+    hello = Hello(version=PROTOCOL_VERSION, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
                   block_len=64, fingerprint="", layers=[Layer(8192, 128), Layer(1 << 20, 32)])
     assert decode_control(encode_control(hello)) == hello
-    bad = Hello(version=1, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
+    bad = Hello(version=PROTOCOL_VERSION, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
                 block_len=64, fingerprint="", layers=[Layer((1 << 63) - 64, 128)])
     with pytest.raises(ProtocolError, match="overflows"):
         decode_control(encode_control(bad))

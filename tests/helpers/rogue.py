@@ -23,6 +23,7 @@ import zmq.asyncio
 from omni_async.transport.lane import Lane, new_context
 from omni_async.wire import (
     HEADER_TAG,
+    PROTOCOL_VERSION,
     Heartbeat,
     Hello,
     MessageHeader,
@@ -49,7 +50,7 @@ class Rogue:
         beat: asyncio.Task[None] | None = None
         try:
             sock.connect(address)
-            hello = Hello(version=1, peer_id=peer_id, nonce=1, agent_metadata=lane.address, base_addr=4096,
+            hello = Hello(version=PROTOCOL_VERSION, peer_id=peer_id, nonce=1, agent_metadata=lane.address, base_addr=4096,
                           num_blocks=64, block_len=4096, fingerprint="", **hello_fields)
             await sock.send(encode_control(hello))
             welcome = decode_control(await asyncio.wait_for(sock.recv(), 20))
