@@ -41,8 +41,9 @@ class Rogue:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def join(cls, address: str, peer_id: str = "rogue", **hello_fields: Any) -> AsyncIterator[Rogue]:
-        lane = Lane(new_context("^cma", "lo"), asyncio.get_running_loop())
+    async def join(cls, address: str, peer_id: str = "rogue", *, tls: str = "^cma",
+                   **hello_fields: Any) -> AsyncIterator[Rogue]:
+        lane = Lane(new_context(tls, "lo"), asyncio.get_running_loop())
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
