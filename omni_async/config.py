@@ -108,6 +108,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shared memory, else ``process_vm_writev``) instead of through UCX.  Such a peer can write
     any row of this side's region: turn it off unless peers on this host are trusted (see
     docs/reliability.md, "Same-host lane: trust model")."""
+    ucx_puts: bool = True
+    """Write blocks to peers without a same-host lane (``ucx_tls="tcp"``, other hosts) with
+    one-sided UCX puts into their registered region, a flush and a ``placed`` header, once the
+    peer offered its remote keys (see docs/tuning.md, "The tcp path"); off: as tag messages.
+    Off on either side means tag messages between the two (no offer is made or taken)."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout <= self.heartbeat_interval:

@@ -22,7 +22,7 @@ from .errors import ProtocolError
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 # -- limits ---------------------------------------------------------------------------------
 MAX_CONTROL_BYTES: Final = 16 * 1024
@@ -274,8 +274,22 @@ class RingOffer(_Msg, tag="ring", frozen=True):
     capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
 
 
+MAX_RKEY_BYTES: Final = 4096
+"""Largest packed UCX remote key a :class:`RkeyOffer` may carry (tcp's are tens of bytes)."""
+
+
+class RkeyOffer(_Msg, tag="rkey", frozen=True):
+    """A peer without a same-host writer offers one-sided puts into its region set: the packed
+    UCX remote key of each region, in order (see :mod:`omni_async.transport.rma`).  The
+    receiver may then write rows with puts and a flush, and send a ``placed``
+    :class:`WriteRequest` once the flush completed."""
+
+    keys: Annotated[list[Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_RKEY_BYTES)]],
+                    msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
+
+
 DataHeader: TypeAlias = (
-    WriteRequest | ReadRequest | MessageHeader | Ack | Acks | Abort | Commit | Goodbye | RingOffer
+    WriteRequest | ReadRequest | MessageHeader | Ack | Acks | Abort | Commit | Goodbye | RingOffer | RkeyOffer
 )
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)

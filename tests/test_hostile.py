@@ -12,7 +12,17 @@ import zmq
 import zmq.asyncio
 
 from omni_async.transport.lane import load_ucxx, new_context
-from omni_async.wire import MAX_CONTROL_BYTES, Bye, Heartbeat, Hello, Reject, Welcome, decode_control, encode_control
+from omni_async.wire import (
+    MAX_CONTROL_BYTES,
+    PROTOCOL_VERSION,
+    Bye,
+    Heartbeat,
+    Hello,
+    Reject,
+    Welcome,
+    decode_control,
+    encode_control,
+)
 
 from .helpers.procfs import fd_targets
 
@@ -30,7 +40,7 @@ def real_address() -> bytes:
 
 
 def hello(peer_id: str, metadata: bytes, **overrides) -> Hello:
-    fields = dict(version=1, peer_id=peer_id, nonce=1, agent_metadata=metadata, base_addr=4096,
+    fields = dict(version=PROTOCOL_VERSION, peer_id=peer_id, nonce=1, agent_metadata=metadata, base_addr=4096,
                   num_blocks=64, block_len=4096, fingerprint="")
     fields.update(overrides)
     return Hello(**fields)
@@ -218,6 +228,29 @@ async def test_a_message_on_an_unknown_tag_is_taken_and_drops_the_sender(make_ag
             while "rogue" in b.peers:
                 await asyncio.sleep(0.01)
     assert left == ["rogue"]
+
+
+@pytest.mark.parametrize("keys", [[b"\xff" * 9], [b"\x01" + b"\x00" * 9], [b"\x00" * 9] * 2],
+                         ids=["unusable", "unusable-md", "two-for-one-region"])
+async def test_bad_remote_keys_drop_the_peer(make_agent, keys):
+    """A peer (over tcp, where puts are offered) whose remote keys UCX refuses, or that offers
+    a key count other than its region count, is dropped; its keys are unpacked in the vetting
+    child first, and this process keeps serving (with puts) its other peers."""
+    from omni_async.wire import HEADER_TAG, RkeyOffer, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0, ucx_tls="tcp")
+    a = await make_agent(peer_id="a", ucx_tls="tcp")
+    await a.connect(b.control_address)
+    async with Rogue.join(b.control_address, tls="tcp") as rogue:
+        rogue.send(encode_header(RkeyOffer(keys)), HEADER_TAG)
+        async with asyncio.timeout(10):
+            while "rogue" in b.peers:
+                await asyncio.sleep(0.01)
+    async with asyncio.timeout(10):
+        while a.transport.links["b"].remote_keys is None or b.transport.links["a"].remote_keys is None:
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
 
 
 @pytest.mark.parametrize("flood", ["messages", "writes"])

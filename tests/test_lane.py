@@ -425,6 +425,10 @@ async def test_a_lane_to_a_peer_in_this_process_never_polls_after_activity(make_
     tx = await make_agent(8, 64 * 1024, peer_id="tx", **config)
     async with asyncio.timeout(20):
         await tx.connect(rx.control_address)
+        # The remote keys are vetted in a child that connects to the peer's worker (a wake-up
+        # of its lane): let that happen before counting.
+        while any(getattr(a.transport.links.get(b), "remote_keys", None) is None for a, b in ((tx, "rx"), (rx, "tx"))):
+            await asyncio.sleep(0.005)
         for _ in range(5):
             await tx.write_blocks("rx", [1], [2])
         lanes = [tx.transport.lane("rx"), rx.transport.lane("tx")]

@@ -18,8 +18,24 @@ from .helpers.kill import assert_lost_in_time
 pytestmark = pytest.mark.timeout(90)
 
 NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024
-SHIPPED_TLS = ["^cma", "tcp"]
-"""Every UCX_TLS setting we ship or document; each is proven by the kill -9 tests below."""
+SHIPPED_TLS = ["^cma", "tcp", "tcp-tags"]
+"""Every UCX_TLS setting we ship or document; each is proven by the kill -9 tests below.  Over
+tcp block writes go as one-sided puts (``ucx_puts``, the default); ``tcp-tags`` is tcp with
+puts off (tag messages)."""
+
+
+def ucx(tls: str) -> dict[str, object]:
+    """The agent config of a ``SHIPPED_TLS`` entry."""
+    return {"ucx_tls": "tcp", "ucx_puts": False} if tls == "tcp-tags" else {"ucx_tls": tls}
+
+
+async def until_puts(agent, peer_id, tls):
+    """Over tcp with puts on, wait until writes to the peer go as puts (its keys were vetted)."""
+    if tls != "tcp":
+        return
+    async with asyncio.timeout(10):
+        while agent.transport.links[peer_id].remote_keys is None:
+            await asyncio.sleep(0.005)
 
 
 def peer_region(path):
@@ -29,11 +45,12 @@ def peer_region(path):
 @pytest.mark.parametrize("tls", SHIPPED_TLS)
 async def test_writes_land_in_the_other_process(make_agent, spawn_peer, tmp_path, tls):
     path = str(tmp_path / "region")
-    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "rx"})
-    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", ucx_tls=tls)
+    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {**ucx(tls), "peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", **ucx(tls))
     rng = np.random.default_rng(7)
     agent.region.array[:] = rng.integers(0, 256, agent.region.array.shape, dtype=np.uint8)
     assert await asyncio.wait_for(agent.connect(peer.info["address"]), 10) == "rx"
+    await until_puts(agent, "rx", tls)
 
     scattered_local = [3, 9, 10, 11, 40, 2]
     scattered_remote = [50, 0, 1, 2, 33, 20]
@@ -62,9 +79,10 @@ async def test_receiver_killed_mid_transfer_fails_awaiters_in_time(make_agent, s
     returns, so nothing would be queued at the kill): tests/test_shared.py proves the same
     rule for that lane."""
     path = str(tmp_path / "region")
-    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "rx"})
-    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", ucx_tls=tls, same_host_lane=False)
+    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {**ucx(tls), "peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx", **ucx(tls), same_host_lane=False)
     await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    await until_puts(agent, "rx", tls)
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
 
@@ -74,8 +92,9 @@ async def test_receiver_killed_mid_transfer_fails_awaiters_in_time(make_agent, s
     await assert_lost_in_time(agent, transfers, killed_at)
     # This process keeps working: a new peer can join and receive.
     peer2 = await spawn_peer("serve", str(tmp_path / "region2"), NUM_BLOCKS, BLOCK_LEN,
-                             {"ucx_tls": tls, "peer_id": "rx2"})
+                             {**ucx(tls), "peer_id": "rx2"})
     await asyncio.wait_for(agent.connect(peer2.info["address"]), 10)
+    await until_puts(agent, "rx2", tls)
     await asyncio.wait_for(agent.write_blocks("rx2", [1], [2]), 10)
 
 
@@ -84,16 +103,16 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spa
     """kill -9 of a sender in the middle of its writes: the receiver (this process) drops it in
     time, no byte lands outside the rows the writes announced, and the next sender's write
     arrives intact."""
-    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", ucx_tls=tls)
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="rx", **ucx(tls))
     agent.region.array[:] = 0xAB
     first, count = 16, 32  # the writer's blocks go to rows 16..47 only
     events: list[PeerEvent] = []
     agent.add_peer_listener(events.append)
     # blocks through UCX (tests/test_shared.py proves this rule for the same-host lane)
     writer = await spawn_peer("write", str(tmp_path / "w"), NUM_BLOCKS, BLOCK_LEN,
-                              {"ucx_tls": tls, "peer_id": "tx", "same_host_lane": False}, agent.control_address,
+                              {**ucx(tls), "peer_id": "tx", "same_host_lane": False}, agent.control_address,
                               str(first), str(count))
-    assert writer.info == {"connected": "rx"}
+    assert writer.info == {"connected": "rx", **({"puts": True} if tls == "tcp" else {})}
     sent = np.array(peer_region(str(tmp_path / "w"))[:count])
     while not (agent.region.array[first:first + count] == sent).all():  # at least one write landed
         await asyncio.sleep(0.01)
@@ -108,14 +127,15 @@ async def test_sender_killed_mid_transfer_receiver_keeps_serving(make_agent, spa
     assert (agent.region.array[outside] == 0xAB).all(), "a byte landed outside the announced rows"
     # Still serving: the next sender's write lands intact, and this side can send too.
     nxt = await spawn_peer("write", str(tmp_path / "n"), NUM_BLOCKS, BLOCK_LEN,
-                           {"ucx_tls": tls, "peer_id": "tx2"}, agent.control_address, "0", "8", "once")
-    assert nxt.info == {"connected": "rx"}
+                           {**ucx(tls), "peer_id": "tx2"}, agent.control_address, "0", "8", "once")
+    assert nxt.info == {"connected": "rx", **({"puts": True} if tls == "tcp" else {})}
     line = await asyncio.wait_for(nxt.proc.stdout.readline(), 10)
     assert json.loads(line) == {"written": 8}
     assert np.array_equal(agent.region.array[:8], peer_region(str(tmp_path / "n"))[:8])
     assert (agent.region.array[first + count:] == 0xAB).all()
-    other = await spawn_peer("serve", str(tmp_path / "o"), NUM_BLOCKS, BLOCK_LEN, {"ucx_tls": tls, "peer_id": "o"})
+    other = await spawn_peer("serve", str(tmp_path / "o"), NUM_BLOCKS, BLOCK_LEN, {**ucx(tls), "peer_id": "o"})
     await asyncio.wait_for(agent.connect(other.info["address"]), 10)
+    await until_puts(agent, "o", tls)
     agent.region.array[5] = 42
     await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
     assert (peer_region(str(tmp_path / "o"))[6] == 42).all()

@@ -9,14 +9,25 @@ import pytest
 
 from omni_async import BlockRegion, ConfigError, LayoutMismatch, ProtocolError
 from omni_async.region import RegionSet
-from omni_async.wire import Hello, Layer, decode_control, encode_control
+from omni_async.wire import PROTOCOL_VERSION, Hello, Layer, decode_control, encode_control
 
 from .conftest import fast_config
 
 pytestmark = pytest.mark.timeout(60)
 LANES = [pytest.param({"same_host_lane": True}, id="same-host"),
          pytest.param({"same_host_lane": False}, id="ucx-gathered"),
-         pytest.param({"same_host_lane": False, "ucx_tls": "tcp"}, id="ucx-per-run")]
+         pytest.param({"same_host_lane": False, "ucx_tls": "tcp", "ucx_puts": False}, id="ucx-per-run"),
+         pytest.param({"same_host_lane": False, "ucx_tls": "tcp"}, id="ucx-puts")]
+
+
+async def until_keyed(a, b, lane):
+    """On the puts lane, wait until each side writes to the other with puts (keys vetted)."""
+    if lane.get("ucx_tls") != "tcp" or lane.get("ucx_puts") is False:
+        return
+    async with asyncio.timeout(10):
+        while not all(getattr(x.transport.links.get(y.peer_id), "remote_keys", None) is not None
+                      for x, y in ((a, b), (b, a))):
+            await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -47,10 +58,10 @@ def test_a_set_shares_num_blocks():
 
 
 def test_hello_carries_every_layout_and_each_is_checked():
-    hello = Hello(version=1, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
+    hello = Hello(version=PROTOCOL_VERSION, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
                   block_len=64, fingerprint="", layers=[Layer(8192, 128), Layer(1 << 20, 32)])
     assert decode_control(encode_control(hello)) == hello
-    bad = Hello(version=1, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
+    bad = Hello(version=PROTOCOL_VERSION, peer_id="p", nonce=1, agent_metadata=b"x", base_addr=4096, num_blocks=8,
                 block_len=64, fingerprint="", layers=[Layer((1 << 63) - 64, 128)])
     with pytest.raises(ProtocolError, match="overflows"):
         decode_control(encode_control(bad))
@@ -63,6 +74,7 @@ async def test_a_block_index_moves_the_block_in_every_region(make_set_agent, lan
     b = await make_set_agent(RegionSet.allocate(64, lens), peer_id="b", allow_reads=True, **lane)
     await asyncio.wait_for(a.connect(b.control_address), 5)
     await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    await until_keyed(a, b, lane)
     assert (a.transport.links["b"].direct is not None) == lane["same_host_lane"]
     fill(a.regions, 1)
     local, remote = [5, 6, 7, 30, 2, 63, 0], [10, 11, 12, 1, 40, 0, 63]
@@ -90,6 +102,7 @@ async def test_64_scattered_blocks_by_32_layers_split_within_the_receivers_bound
     a = await make_set_agent(RegionSet.allocate(2048, lens), peer_id="a", **lane)
     b = await make_set_agent(RegionSet.allocate(2048, lens), peer_id="b", **lane)
     await asyncio.wait_for(a.connect(b.control_address), 5)
+    await until_keyed(a, b, lane)
     fill(a.regions, 3)
     local = list(range(0, 2048, 2))
     remote = list(range(1, 2048, 2))
@@ -107,6 +120,7 @@ async def test_concurrent_writes_of_a_set_keep_their_payloads_apart(make_set_age
     a = await make_set_agent(RegionSet.allocate(64, lens), peer_id="a", **lane)
     b = await make_set_agent(RegionSet.allocate(64, lens), peer_id="b", **lane)
     await asyncio.wait_for(a.connect(b.control_address), 5)
+    await until_keyed(a, b, lane)
     fill(a.regions, 4)
     writes = [a.write_blocks("b", [i, i + 1, i + 5], [63 - i, 62 - i, 40 - i]) for i in range(0, 16, 2)]
     await asyncio.wait_for(asyncio.gather(*writes), 10)

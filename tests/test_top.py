@@ -44,9 +44,17 @@ async def scrape(port: int) -> top.Scrape:
 @pytest.fixture
 async def live_pair(spawn_peer: Any, tmp_path: Path) -> tuple[int, Any]:
     """A receiver process ``rx`` serving /metrics on a port, and a process ``tx`` writing blocks
-    into it in a loop; returns ``(metrics port, writer)``."""
-    port = free_port()
-    rx = await spawn_peer("serve", str(tmp_path / "rx"), 64, 4096, {"peer_id": "rx", "metrics_port": port})
+    into it in a loop; returns ``(metrics port, writer)``.  A free port can be taken by another
+    socket before the receiver binds it (its start then fails): a few fresh ports are tried."""
+    for attempt in range(3):
+        port = free_port()
+        try:
+            rx = await spawn_peer("serve", str(tmp_path / f"rx{attempt}"), 64, 4096,
+                                  {"peer_id": "rx", "metrics_port": port})
+            break
+        except RuntimeError:  # exited before it was ready: the port was taken
+            if attempt == 2:
+                raise
     tx = await spawn_peer("pump", str(tmp_path / "tx"), 64, 4096, {"peer_id": "tx"}, rx.info["address"])
     assert tx.info == {"connected": "rx"}
     return port, tx

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from omni_async import ProtocolError
-from omni_async.transport.vetting import AddressVetter, shared_vetter
+from omni_async.transport.vetting import AddressVetter, NotVetted, shared_vetter
 
 from .test_hostile import real_address
 
@@ -69,3 +69,34 @@ async def test_servers_are_retired_and_legitimate_checks_keep_passing():
         assert vetter.refused == 0
     finally:
         await asyncio.get_running_loop().run_in_executor(None, vetter.close)
+
+
+async def test_remote_keys_are_unpacked_in_the_child_first():
+    """A peer's packed remote keys are unpacked on an endpoint to its address in a vetting
+    child (UCX trusts them: it attaches the shared memory segments they name): a real key
+    passes, malformed ones are refused with ProtocolError, and this process is untouched."""
+    import numpy as np
+
+    from omni_async.transport.lane import Lane, new_context
+    from omni_async.transport.rma import Registration
+
+    context = new_context("^cma", "lo")
+    lane = Lane(context, asyncio.get_running_loop())
+    registration = Registration(context, [np.zeros((4, 4096), np.uint8)])
+    vetter = AddressVetter("^cma", "lo", workers=1)
+    try:
+        (key,) = registration.keys
+        await vetter.check(lane.address, timeout=30, keys=registration.keys)
+        malformed = [b"\xff" * len(key), b"\x04" + b"\x00" * 9 + b"\xff" * 32, b"\x08" + b"\x00" * 9 + b"\xff" * 32]
+        for bad in malformed:
+            with pytest.raises(ProtocolError, match="remote keys"):
+                await vetter.check(lane.address, timeout=10, keys=[bad])
+        await vetter.check(lane.address, timeout=10, keys=[key, key])  # and real ones still pass
+        with pytest.raises(NotVetted):  # no verdict in time: the transport keeps the peer, on tags
+            await vetter.check(lane.address, timeout=1e-4, keys=[key])
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, vetter.close)
+        lane.close()
+        await lane.wait_closed()
+        registration.close()
+        registration.close()  # idempotent

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from omni_async import ProtocolError, wire
 from omni_async.wire import (
+    PROTOCOL_VERSION,
     Ack,
     Acks,
     Bye,
@@ -30,7 +31,7 @@ from omni_async.wire import (
 )
 
 HELLO = Hello(
-    version=1, peer_id="p", nonce=7, agent_metadata=b"\x01" * 81, base_addr=0x7F0000000000,
+    version=PROTOCOL_VERSION, peer_id="p", nonce=7, agent_metadata=b"\x01" * 81, base_addr=0x7F0000000000,
     num_blocks=64, block_len=4096, fingerprint="abcd",
 )
 CONTROL = [HELLO, Welcome(**msgspec.structs.asdict(HELLO)), Reject(code="layout", reason="no"), Heartbeat(), Bye("done")]

@@ -124,13 +124,18 @@ class _Ucp:
 
 
 @functools.cache
-def _ucp() -> _Ucp:
+def library() -> ctypes.CDLL:
     """The libucp ucxx already loaded (the same copy: UCP state is per library instance),
-    opened on first use, never at import."""
+    opened on first use, never at import (:mod:`.rma` declares more of its functions)."""
     import libucx
 
     path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so")
-    return _Ucp(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL))
+    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+
+
+@functools.cache
+def _ucp() -> _Ucp:
+    return _Ucp(library())
 
 
 # Read-only request parameters (UCX only reads them): safe to share between threads.

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import PeerLost, ProtocolError
-from . import iov
+from . import iov, rma
 from .turns import NextTurn, SpinGate, spin
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ class Lane:
         self._endpoint_done = False
         self._closing = _RawRequest(0)  # the endpoint's flush-close, once started
         self._orphans: list[tuple[_RawRequest, Completion, object]] = []
+        self._keys: list[int] = []  # remote keys unpacked on the endpoint (:meth:`unpack_keys`)
         self._close_deadline = 0.0
         self._released: asyncio.Future[None] = loop.create_future()
         self.wakeups = 0
@@ -242,6 +243,39 @@ class Lane:
             _run(done, exc.with_traceback(None))
             return
         self._track(_RawRequest(handle), done, keepalive)
+
+    def unpack_keys(self, packed: list[bytes]) -> list[int]:
+        """Remote keys for the connected endpoint from the peer's packed ones (vetted first,
+        see :mod:`.rma`), owned by the lane: destroyed before its worker.  Raises
+        :class:`ProtocolError` if UCX refuses one, :class:`PeerLost` on a closed lane."""
+        if self._closed or not self._endpoint:
+            raise PeerLost("lane closed")
+        keys: list[int] = []
+        try:
+            for packed_key in packed:
+                keys.append(rma.unpack_key(self._endpoint, packed_key))
+        except OSError as exc:
+            for key in keys:
+                rma.destroy_key(key)
+            raise ProtocolError(f"the peer's remote key is unusable: {exc}") from None
+        self._keys.extend(keys)
+        return keys
+
+    def put(self, puts: list[tuple[int, int, int, int]], keepalive: object, done: Completion) -> None:
+        """Post one put per ``(local address, length, remote address, key)`` (a key from
+        :meth:`unpack_keys`), then one flush; ``done`` runs when the flush completed (every
+        put is in the peer's memory) or failed.  The local bytes are borrowed until then
+        (``keepalive`` is referenced meanwhile)."""
+
+        def post() -> int:
+            endpoint = self._endpoint
+            for local, length, remote, key in puts:
+                request = rma.put(endpoint, local, length, remote, key)
+                if request:
+                    iov.free(request)  # UCX releases it when done; the flush covers it
+            return rma.flush(endpoint)
+
+        self._post(post, keepalive, done)
 
     def recv_arrived(self, buffer: Any, message: int, done: Completion) -> None:
         """Receive a message taken by a watch into ``buffer`` (any writable C-contiguous buffer
@@ -484,6 +518,9 @@ class Lane:
         for request, _done, _keep in self._orphans:
             request.release()
         self._closing.release()
+        keys, self._keys = self._keys, []
+        for key in keys:  # allocated from the worker: destroyed before it
+            rma.destroy_key(key)
         # Destroys the UCP worker with its endpoint and every request UCX still holds (UCX
         # warns about those: "was not returned to mpool"), before the borrowed buffers below
         # are let go: nothing can write into them any more.

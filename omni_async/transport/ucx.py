@@ -12,6 +12,10 @@ Protocol on a lane (tags from :mod:`omni_async.wire`):
 * between peers on one host, placed-write headers, acknowledgements and chunk messages that
   fit go through a shared-memory ring instead of the lane (:mod:`.samehost`, offered with a
   :class:`~omni_async.wire.RingOffer` right after connecting);
+* to a peer without a same-host writer (tcp, other hosts) that offered its remote keys
+  (:class:`~omni_async.wire.RkeyOffer`, right after connecting), a block write without a
+  notice is put straight into its rows (:mod:`.rma`: a put per run and region, one flush),
+  then announced with a ``placed`` header;
 * the receiver takes each header as it arrives (no receive stays posted while idle, so closing
   a lane never leaves UCX requests behind); it validates a header *before* posting
   the payload receives, which land straight in its region rows (writes) or in fresh arrays
@@ -79,6 +83,7 @@ from ..wire import (
     MessageHeader,
     ReadRequest,
     RingOffer,
+    RkeyOffer,
     WriteRequest,
     data_tag,
     decode_header,
@@ -89,22 +94,26 @@ from ..wire import (
     validate_write,
     with_length,
 )
-from .iov import iov_of_runs
+from .iov import address_of, iov_of_runs
 from .lane import Completion, Lane, new_context
 from .limits import Window, check_message, check_notice, receive_budget, split_runs
 from .notices import Notice, NoticeBook, NoticeQueue, sink_error
 from .pool import ReceivePool
 from .protocol import Deadlines, Drain, GiveUp, Inbox, Outbox
 from .ring import RingError
+from .rma import Registration
 from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
 from .shared import Refused, Writers, open_writers
 from .transfer import CancelMode, Transfer
-from .vetting import shared_vetter
+from .vetting import NotVetted, shared_vetter
 
 log = logging.getLogger(__name__)
 
 _GATHER_MAX_RUN = 256 * 1024
 """Writes whose runs average less than this many bytes are gathered into one message."""
+PUT_MIN_BYTES = 64 * 1024
+"""A write request of one payload message up to this size goes as a tag message even where
+puts are on (one round trip; a put and its flush take two)."""
 ANNOUNCE_BYTES = 1 << 20
 """A same-host write request (no notice) of at least this many bytes is announced with an
 intent before its copy (some 100 µs or more): the receiver checks it and stays awake for its
@@ -217,6 +226,12 @@ class PeerLink:
     """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
     parked: deque[_Message] = field(default_factory=deque)
     """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
+    remote_keys: list[int] | None = None
+    """The peer's remote keys (one per region, unpacked on the lane, which owns them) once it
+    offered them and they passed vetting: block writes without a notice go as puts (see
+    :mod:`.rma`); None: as tag messages."""
+    keying: asyncio.Task[None] | None = None
+    """Vetting and unpacking the peer's offered keys, while it runs."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
@@ -285,6 +300,8 @@ class UcxTransport:
         self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
         self._pool: ReceivePool | None = None
+        self._registration: Registration | None = None  # our regions mapped for puts, once offered
+        self._keyings: set[asyncio.Task[None]] = set()  # cancelled key vettings of removed peers
 
     @property
     def receive_pool(self) -> ReceivePool | None:
@@ -336,6 +353,7 @@ class UcxTransport:
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
         lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None
         self._offer_ring(link)
+        self._offer_keys(link)
 
     def _offer_ring(self, link: PeerLink) -> None:
         """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
@@ -364,6 +382,50 @@ class UcxTransport:
             link.ring_out = RingSender(offer)
         except (Refused, OSError, ValueError) as exc:
             log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
+
+    def _offer_keys(self, link: PeerLink) -> None:
+        """Offer a peer without a same-host lane puts into our regions (mapped on first use)."""
+        if not self.config.ucx_puts or link.gather:
+            return
+        if self._registration is None:
+            try:
+                self._registration = Registration(self._context, self._arrays)
+            except OSError as exc:
+                log.warning("regions not mapped for UCX puts, writes to us go as tag messages: %s", exc)
+                return
+        link.lane.send(encode_header(RkeyOffer(list(self._registration.keys))), HEADER_TAG, _ignore)
+
+    def _on_rkey_offer(self, link: PeerLink, offer: RkeyOffer) -> None:
+        """The peer offers puts into its regions: vet its keys in a child, then unpack them."""
+        if not self.config.ucx_puts:
+            return  # puts are off here: writes to the peer go as tag messages
+        if link.gather or link.remote_keys is not None or link.keying is not None:
+            log.warning("ignored a remote key offer from %s (a same-host link, or a second one)", link.peer.peer_id)
+            return
+        if len(offer.keys) != len(self._arrays):
+            self._drop(link, ProtocolError(f"{len(offer.keys)} remote keys offered for {len(self._arrays)} regions"))
+            return
+        link.keying = self._loop.create_task(self._take_keys(link, offer.keys), name=f"omni-rkeys-{link.peer.peer_id}")
+
+    async def _take_keys(self, link: PeerLink, keys: list[bytes]) -> None:
+        """Vet the peer's offered keys in a child, then unpack them on its lane: from then on
+        writes to it go as puts.  Keys UCX refuses drop the peer; a check with no verdict (the
+        vetter is saturated or slow) leaves it on tag messages."""
+        try:
+            await self._vetter.check(link.peer.agent_metadata, keys=keys)
+            if self._links.get(link.peer.peer_id) is link:
+                link.remote_keys = link.lane.unpack_keys(keys)
+        except NotVetted as exc:
+            log.warning("peer %s: writes go as tag messages: %s", link.peer.peer_id, exc)
+        except ProtocolError as exc:
+            log.warning("peer %s: %s", link.peer.peer_id, exc)
+            self._drop(link, exc)
+        except PeerLost:
+            pass  # the lane closed meanwhile
+        except OSError as exc:  # the vetting child could not be run: no puts to this peer
+            log.warning("peer %s: remote keys not vetted, writes go as tag messages: %s", link.peer.peer_id, exc)
+        finally:
+            link.keying = None
 
     def _ring_record(self, link: PeerLink, kind: int, payload: memoryview) -> None:
         """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
@@ -437,6 +499,11 @@ class UcxTransport:
         link.parked.clear()
         link.held.clear()
         link.intents.clear()
+        link.remote_keys = None  # the lane owns them: destroyed before its worker
+        if link.keying is not None:
+            link.keying.cancel()
+            self._keyings.add(link.keying)
+            link.keying.add_done_callback(self._keyings.discard)
         self._drop_direct(link)
         self._drop_rings(link)
         for transfer_id in list(link.sent):
@@ -570,6 +637,8 @@ class UcxTransport:
         )
         # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
         placed = placed and (notice is None or link.ring_out is not None)
+        # Puts: a write without a notice to a peer that offered its keys (tcp, other hosts).
+        put = direct is None and notice is None and link.remote_keys is not None
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
         max_runs = min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers)
@@ -605,6 +674,11 @@ class UcxTransport:
                 continue
             nbytes = sum(run.length for run in request) * block_bytes
             messages = len(request) * layers
+            # One eager message (up to a 64 KiB block) goes faster as a tag: puts need a flush,
+            # one more round trip (measured, docs/tuning.md).
+            if put and (messages > 1 or nbytes > PUT_MIN_BYTES):
+                requests.append((0, 0, partial(self._put_write, link, transfer.id, request)))
+                continue
             # Many small runs: one gathered message (Python cost per message dominates).  Large
             # runs: one message each, which UCX pipelines better (measured, docs/tuning.md).
             gather = link.gather and messages > 1 and nbytes < _GATHER_MAX_RUN * messages
@@ -689,6 +763,33 @@ class UcxTransport:
         else:
             for i, row in enumerate(self._rows([(local, length) for local, _remote, length in runs])):
                 lane.send(row, data_tag(seq + i), on_sent)
+
+    def _put_write(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
+        """Put one write request's rows into the peer's region (one put per run and region,
+        inside the region the peer announced: ``plan_runs`` checked the indices), then, once
+        the flush completed, tell the peer with a ``placed`` header.  A failed put or flush
+        (the peer died) fails the transfer with :class:`PeerLost` and drops the peer."""
+        keys = link.remote_keys
+        if keys is None:  # the peer was removed while this waited for its window
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} removed"))
+            return
+        peer = link.peer
+        bases = (peer.base_addr, *(layer.base_addr for layer in peer.layers))
+        lens = self.regions.block_lens
+        rows = self._rows([(run.local, run.length) for run in runs])
+        puts: list[tuple[int, int, int, int]] = []
+        layers = len(lens)
+        for i, row in enumerate(rows):
+            run, layer = runs[i // layers], i % layers
+            puts.append((address_of(row), row.nbytes, bases[layer] + run.remote * lens[layer], keys[layer]))
+        link.lane.put(puts, rows, partial(self._flushed, link, transfer_id, runs))
+
+    def _flushed(self, link: PeerLink, transfer_id: int, runs: list[Run], error: BaseException | None) -> None:
+        if error is not None:
+            self._sent(link, transfer_id, error)
+            return
+        header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
+        self._send_header(link, header, partial(self._sent, link, transfer_id))
 
     def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header
@@ -1350,6 +1451,7 @@ class UcxTransport:
         Acks: _on_acks,
         WriteRequest: _on_write,
         RingOffer: _on_ring_offer,
+        RkeyOffer: _on_rkey_offer,
         ReadRequest: _on_read,
         Commit: _on_commit,
         Abort: _on_abort,
@@ -1374,6 +1476,11 @@ class UcxTransport:
             self.notices.close()
         await asyncio.gather(*list(self._drains))
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
+        if self._keyings:
+            await asyncio.wait(list(self._keyings))
+        registration, self._registration = self._registration, None
+        if registration is not None:  # no lane is left to put into the regions
+            registration.close()
 
     def _drop(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Tell the owner to drop the peer of ``link`` (it broke the protocol, or its lane or

@@ -34,10 +34,11 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Final
 
 from ..errors import ProtocolError
-from .vet_child import BAD, LENGTH, OK
+from .vet_child import BAD, LENGTH, OK, REQUEST
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ progresses (closing it would wait on the peer), so a server's UCX resources only
 _START_TIMEOUT: Final = 30.0  # seconds the zygote may take to import ucxx
 
 _Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+class NotVetted(ProtocolError):
+    """A check that reached no verdict: it timed out, or too many checks were waiting."""
 
 
 class AddressVetter:
@@ -77,15 +82,17 @@ class AddressVetter:
         self._zygote_start = threading.RLock()  # starting, stopping or writing to the zygote
         self.refused = 0
 
-    async def check(self, address: bytes, timeout: float = DEADLINE) -> None:
-        """Return if a UCX endpoint can be created from ``address``; else raise ProtocolError
-        (unusable, not vetted within ``timeout`` seconds, or too many checks waiting)."""
+    async def check(self, address: bytes, timeout: float = DEADLINE, *, keys: Sequence[bytes] = ()) -> None:
+        """Return if a UCX endpoint can be created from ``address`` (and, with ``keys``, each
+        packed remote key unpacked on it: :mod:`.rma`); else raise ProtocolError (unusable),
+        or its :class:`NotVetted` (not vetted within ``timeout`` seconds, or too many checks
+        waiting)."""
         verdict: bool | None = None
         try:
             async with asyncio.timeout(timeout):
                 await self._acquire()
                 try:
-                    verdict = await self._vet(address)
+                    verdict = await self._vet(address, b"".join(LENGTH.pack(len(key)) + key for key in keys))
                 finally:
                     self._release()
         except TimeoutError:
@@ -93,8 +100,11 @@ class AddressVetter:
         if not verdict:
             with self._lock:
                 self.refused += 1
-            why = "is not a usable UCX worker address" if verdict is False else f"was not vetted within {timeout}s"
-            raise ProtocolError(f"a {len(address)}-byte agent metadata {why}")
+            what = "remote keys" if keys else f"a {len(address)}-byte agent metadata"
+            why = "are not usable UCX remote keys" if keys else "is not a usable UCX worker address"
+            if verdict is None:
+                why = f"{'were' if keys else 'was'} not vetted within {timeout}s"
+            raise (NotVetted if verdict is None else ProtocolError)(f"{what} {why}")
 
     @property
     def fds(self) -> set[int]:
@@ -136,7 +146,7 @@ class AddressVetter:
                 return
             if len(self._waiting) >= self._max_pending:
                 self.refused += 1
-                raise ProtocolError(f"address vetting is saturated ({self._max_pending} checks waiting)")
+                raise NotVetted(f"address vetting is saturated ({self._max_pending} checks waiting)")
             granted: asyncio.Future[None] = loop.create_future()
             self._waiting.append((loop, granted))
         try:
@@ -165,23 +175,23 @@ class AddressVetter:
             granted.set_result(None)
 
     # -- one check -------------------------------------------------------------------------------
-    async def _vet(self, address: bytes) -> bool:
+    async def _vet(self, address: bytes, keys: bytes) -> bool:
         with self._lock:
             server = self._idle.pop() if self._idle else None
-        verdict = await self._vet_on(server, address)
+        verdict = await self._vet_on(server, address, keys)
         if verdict is None and server is not None:  # a reused server died: a fresh one decides
-            verdict = await self._vet_on(None, address)
+            verdict = await self._vet_on(None, address, keys)
         if verdict is None:
-            log.warning("a %d-byte peer address crashed the vetting child", len(address))
+            log.warning("a %d-byte peer address (%d bytes of keys) crashed the vetting child", len(address), len(keys))
         return bool(verdict)
 
-    async def _vet_on(self, server: socket.socket | None, address: bytes) -> bool | None:
+    async def _vet_on(self, server: socket.socket | None, address: bytes, keys: bytes) -> bool | None:
         """The verdict of ``server`` (None: fork a fresh one), or None if it died or failed."""
         loop = asyncio.get_running_loop()
         try:
             if server is None:
                 server = await self._new_server()
-            await loop.sock_sendall(server, LENGTH.pack(len(address)) + address)
+            await loop.sock_sendall(server, REQUEST.pack(len(address), len(keys)) + address + keys)
             answer = await loop.sock_recv(server, 1)
         except OSError as exc:
             log.warning("address vetting child failed: %r", exc)

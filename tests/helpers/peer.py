@@ -7,7 +7,7 @@
 
 ``python -m tests.helpers.peer write REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS [FIRST COUNT [once]]``
   fills its region with random bytes, connects to ADDRESS, prints ``{"connected": peer_id}``
-  and writes its blocks there in a loop until killed: all of them to the same rows, or, with
+  (with ``"puts": true`` over tcp with ``ucx_puts``, once the peer's remote keys are in) and writes its blocks there in a loop until killed: all of them to the same rows, or, with
   FIRST and COUNT, its first COUNT blocks to the peer's rows FIRST.. .  With ``once`` it writes
   one time, prints ``{"written": COUNT}`` and waits until its stdin closes.
 
@@ -152,7 +152,7 @@ async def write(agent: Agent, address: str, first: str = "0", count: str = "", o
     if isinstance(region, np.memmap):
         region.flush()  # the test reads what was sent from the file
     peer = await agent.connect(address)
-    say({"connected": peer})
+    say({"connected": peer, **({"puts": True} if await _puts(agent, peer) else {})})
     local = list(range(int(count) if count else agent.region.num_blocks))
     remote = [int(first) + i for i in local]
     while True:
@@ -161,6 +161,17 @@ async def write(agent: Agent, address: str, first: str = "0", count: str = "", o
             say({"written": len(local)})
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
             return
+
+
+async def _puts(agent: Agent, peer: str) -> bool:
+    """Whether writes to ``peer`` go as UCX puts: over tcp with puts on, once its keys came."""
+    if not (agent.config.ucx_puts and agent.config.ucx_tls == "tcp"):
+        return False
+    link = agent.transport.links[peer]
+    async with asyncio.timeout(10):
+        while link.remote_keys is None:
+            await asyncio.sleep(0.005)
+    return True
 
 
 async def notify(agent: Agent, address: str) -> None:

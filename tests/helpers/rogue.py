@@ -23,6 +23,7 @@ import zmq.asyncio
 from omni_async.transport.lane import Lane, new_context
 from omni_async.wire import (
     HEADER_TAG,
+    PROTOCOL_VERSION,
     Heartbeat,
     Hello,
     MessageHeader,
@@ -40,15 +41,16 @@ class Rogue:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def join(cls, address: str, peer_id: str = "rogue", **hello_fields: Any) -> AsyncIterator[Rogue]:
-        lane = Lane(new_context("^cma", "lo"), asyncio.get_running_loop())
+    async def join(cls, address: str, peer_id: str = "rogue", *, tls: str = "^cma",
+                   **hello_fields: Any) -> AsyncIterator[Rogue]:
+        lane = Lane(new_context(tls, "lo"), asyncio.get_running_loop())
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         beat: asyncio.Task[None] | None = None
         try:
             sock.connect(address)
-            hello = Hello(version=1, peer_id=peer_id, nonce=1, agent_metadata=lane.address, base_addr=4096,
+            hello = Hello(version=PROTOCOL_VERSION, peer_id=peer_id, nonce=1, agent_metadata=lane.address, base_addr=4096,
                           num_blocks=64, block_len=4096, fingerprint="", **hello_fields)
             await sock.send(encode_control(hello))
             welcome = decode_control(await asyncio.wait_for(sock.recv(), 20))
