@@ -296,6 +296,7 @@ _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Deco
 _data_decoder: msgspec.msgpack.Decoder[DataHeader] = msgspec.msgpack.Decoder(DataHeader)
 _encoder = msgspec.msgpack.Encoder()
 _LEN = struct.Struct("<I")
+_MAX_BODY: Final = MAX_HEADER_BYTES - _LEN.size
 
 
 def encode_control(msg: ControlMessage) -> bytes:
@@ -323,10 +324,34 @@ def check_layout(base_addr: int, num_blocks: int, block_len: int) -> None:
 
 def encode_header(msg: DataHeader) -> bytes:
     """Encode a data-plane header with its 4-byte length prefix (the receiver's buffer is fixed)."""
+    return with_length(encode_record(msg))
+
+
+def encode_record(msg: DataHeader) -> bytes:
+    """Encode a data-plane header without a length prefix: a same-host ring record's payload
+    (the ring frames it), or, through :func:`with_length`, a header for the UCX lane.  Raises
+    :class:`ProtocolError` if it would not fit the lane's header buffer either."""
     body = _encoder.encode(msg)
-    if len(body) + _LEN.size > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(body)} bytes exceeds {MAX_HEADER_BYTES - _LEN.size}")
+    if len(body) > _MAX_BODY:
+        raise ProtocolError(f"header of {len(body)} bytes exceeds {_MAX_BODY}")
+    return body
+
+
+def with_length(body: bytes) -> bytes:
+    """A header from :func:`encode_record` as the UCX lane carries it: its length, then it."""
     return _LEN.pack(len(body)) + body
+
+
+def decode_record(payload: bytes | memoryview) -> DataHeader:
+    """Decode a data-plane header that fills ``payload`` (a ring record's, no length prefix);
+    raise :class:`ProtocolError` on anything wrong."""
+    if len(payload) > _MAX_BODY:
+        raise ProtocolError(f"header of {len(payload)} bytes exceeds {_MAX_BODY}")
+    try:
+        header: DataHeader = _data_decoder.decode(payload)
+    except Exception as exc:  # a trust boundary: every failure becomes a ProtocolError
+        raise ProtocolError(f"invalid data header: {exc}") from None
+    return header
 
 
 def decode_header(buffer: bytes | bytearray | memoryview) -> DataHeader:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omni_async.errors import PeerLost, TransferFailed
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
-from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header
+from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header, encode_record
 
 from .conftest import FAST
 from .helpers.procfs import fd_targets
@@ -264,12 +264,48 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     assert time.process_time() - cpu < 0.05
 
 
+WRITE_CALL_BUDGET = 125
+"""Python calls of omni_async per same-host 64 KiB write and its acknowledgement, both sides
+(issue 9, row a: 143 before the ring and transport hot paths were trimmed, 115 after)."""
+
+
+async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(make_agent):
+    """Row a's latency is Python on both sides: a 64 KiB write, its header and its ack through
+    the rings cost at most WRITE_CALL_BUDGET calls of this package (counted, not timed: the
+    count does not depend on the machine's load)."""
+    import sys
+
+    import omni_async
+
+    package = os.path.dirname(omni_async.__file__)
+    a, b = await pair(make_agent, block_len=64 << 10)
+    for _ in range(50):  # warm: both rings in their steady rhythm
+        await asyncio.wait_for(a.write_blocks("b", [3], [5]), 5)
+    calls = 0
+
+    def count(frame, event, _arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            calls += 1
+
+    writes = 100
+    sys.setprofile(count)
+    try:
+        async with asyncio.timeout(10):
+            for _ in range(writes):
+                await a.write_blocks("b", [3], [5])
+    finally:
+        sys.setprofile(None)
+    assert np.array_equal(b.region.array[5], a.region.array[3])
+    assert calls / writes <= WRITE_CALL_BUDGET, calls / writes
+
+
 async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(make_agent):
     """A same-host write of at least ANNOUNCE_BYTES goes into the receiver's ring as an intent
     before its copy, and a commit after it (the receiver checks it meanwhile and is awake for
     the commit); a small one is copied first and then told with one placed header."""
     from omni_async.transport.ucx import ANNOUNCE_BYTES
-    from omni_async.wire import Commit, WriteRequest, decode_header
+    from omni_async.wire import Commit, WriteRequest, decode_record
 
     a, b = await pair(make_agent, num_blocks=64, block_len=64 << 10)
     a.region.array[:] = np.random.default_rng(3).integers(0, 256, a.region.array.shape, dtype=np.uint8)
@@ -278,7 +314,7 @@ async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(
     put = ring.send
     rows = b.region.array
     ring.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
-        records.append((decode_header(parts[0]), rows[40:44].copy())), put(kind, parts))[1]
+        records.append((decode_record(parts[0]), rows[40:44].copy())), put(kind, parts))[1]
     large = ANNOUNCE_BYTES // a.region.block_len
     local, remote = list(range(large)), [40 + i for i in range(large)]
     await asyncio.wait_for(a.write_blocks("b", local, remote), 5)
@@ -299,7 +335,7 @@ async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(m
     """A large write split into several requests (the receiver's max_write_blocks): each
     request is its own intent and commit, numbered ``part`` of ``parts``, so no two are ever
     confused (a commit may travel over the lane while the next intent is in the ring)."""
-    from omni_async.wire import Commit, WriteRequest, decode_header
+    from omni_async.wire import Commit, WriteRequest, decode_record
 
     a = await make_agent(64, 64 << 10, peer_id="a")
     b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
@@ -312,7 +348,7 @@ async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(m
     records: list[object] = []
     put = link.ring_out.send
     link.ring_out.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
-        records.append(decode_header(parts[0])), put(kind, parts))[1]
+        records.append(decode_record(parts[0])), put(kind, parts))[1]
     rows = list(range(48))  # three requests of 16 blocks (1 MiB each)
     await asyncio.wait_for(a.write_blocks("b", rows, rows[::-1]), 5)
     intents = [r for r in records if isinstance(r, WriteRequest)]
@@ -397,7 +433,7 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
     elif garbage == "kind":
         producer.put(9, [encode_header(Ack(1))])
     elif garbage == "goodbye":  # only ever sent over the lane
-        producer.put(samehost.KIND_HEADER, [encode_header(Goodbye())])
+        producer.put(samehost.KIND_HEADER, [encode_record(Goodbye())])
     elif garbage == "frames":
         producer.put(samehost.KIND_MESSAGE, [encode_header(MessageHeader(1, 0, "k", b"", [1 << 20]))])
     else:

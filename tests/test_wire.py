@@ -21,10 +21,13 @@ from omni_async.wire import (
     data_tag,
     decode_control,
     decode_header,
+    decode_record,
     encode_control,
     encode_header,
+    encode_record,
     validate_message,
     validate_write,
+    with_length,
 )
 
 HELLO = Hello(
@@ -55,6 +58,25 @@ def test_header_round_trip(msg):
     data = encode_header(msg)
     buf[: len(data)] = data
     assert decode_header(buf) == msg
+
+
+@pytest.mark.parametrize("msg", HEADERS, ids=lambda m: type(m).__name__)
+def test_ring_record_is_the_bare_header(msg):
+    """A same-host ring's header record is the header alone (the ring frames it); the lane's
+    header is the same bytes behind their length."""
+    record = encode_record(msg)
+    assert decode_record(memoryview(record)) == msg
+    assert encode_header(msg) == with_length(record)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [encode_header(Ack(1)), encode_record(Ack(1)) + b"\x00", b"\xff" * 16, b"", b"\x91" + bytes(wire.MAX_HEADER_BYTES)],
+    ids=["lane-framed", "trailing", "garbage", "empty", "oversized"],
+)
+def test_ring_record_garbage_is_a_protocol_error(payload):
+    with pytest.raises(ProtocolError):
+        decode_record(payload)
 
 
 def test_exact_types():

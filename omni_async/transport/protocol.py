@@ -164,7 +164,13 @@ class Outbox(Generic[T]):
     def submit(self, transfer_id: int, requests: list[tuple[int, int, T]], noticed: bool = False) -> list[T]:
         """A new transfer of ``(payload messages, chunk bytes, post)`` requests (``noticed``:
         a block write with a notice); returns the posts to carry out now."""
-        self._out[transfer_id] = _Out(len(requests), noticed)
+        out = self._out[transfer_id] = _Out(len(requests), noticed)
+        if len(requests) == 1 and not self._queue:  # the common case, as _pump would do it
+            messages, nbytes, post = requests[0]
+            if self.window.fits(messages, nbytes):
+                self.window.take(transfer_id, messages, nbytes)
+                out.posted = 1
+                return [post]
         self._queue.extend((transfer_id, messages, nbytes, post) for messages, nbytes, post in requests)
         return self._pump()
 
@@ -185,7 +191,7 @@ class Outbox(Generic[T]):
             if out.parts <= 0:
                 del self._out[transfer_id]
                 settled, error = True, out.error
-        return settled, error, self._pump()
+        return settled, error, self._pump() if self._queue else []
 
     def withdraw(self, transfer_id: int) -> list[T]:
         """A request of ``transfer_id`` counted in the window was never sent (its transfer

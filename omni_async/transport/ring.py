@@ -39,6 +39,7 @@ _HEAD: Final = 0
 _TAIL: Final = 8  # in u64 units: byte offset 64
 _EPOCH: Final = 16  # byte offset 128
 _FRAME: Final = struct.Struct("<II")
+_FRAME_BYTES: Final = _FRAME.size
 WRAP: Final = 0xFFFFFFFF
 """Length of a wrap marker: the rest of the ring up to its end is skipped."""
 
@@ -60,10 +61,6 @@ def ring_size(capacity: int) -> int:
 def max_payload(capacity: int) -> int:
     """The largest payload a record in a ring of ``capacity`` bytes may carry."""
     return capacity // 2 - _FRAME.size
-
-
-def _padded(length: int) -> int:
-    return _FRAME.size + ((length + 7) & ~7)
 
 
 class RingError(ProtocolError):
@@ -114,15 +111,15 @@ class Producer(_Ring):
         """Append one record whose payload is ``parts`` concatenated; False if the ring has no
         room now (nothing written).  Raises :class:`ValueError` for a payload over
         :func:`max_payload`, :class:`RingError` if the consumer corrupted its tail."""
-        length = sum(len(part) for part in parts)
+        length = len(parts[0]) if len(parts) == 1 else sum(len(part) for part in parts)
         if length > self.max_payload:
             raise ValueError(f"a record of {length} bytes exceeds the ring's {self.max_payload}")
         capacity = self.capacity
         head = self._head
-        used = head - int(self._ctl[_TAIL])
+        used = head - self._ctl[_TAIL]
         if not 0 <= used <= capacity:
             raise RingError(f"the consumer's tail is {used} bytes behind the head (capacity {capacity})")
-        need = _padded(length)
+        need = _FRAME_BYTES + ((length + 7) & ~7)  # frame, payload, padding
         pos = head % capacity
         skip = capacity - pos if need > capacity - pos else 0
         if skip + need > capacity - used:
@@ -137,14 +134,14 @@ class Producer(_Ring):
             end = at + len(part)
             data[at:end] = part
             at = end
-        self._head = head + skip + need
-        self._ctl[_HEAD] = self._head
+        self._head = head = head + skip + need
+        self._ctl[_HEAD] = head
         return True
 
     def wants_wake(self) -> bool:
         """After :meth:`put`: True (once per sleep) if the consumer sleeps and must be woken."""
         fence()  # our head store before the load of its epoch (it stores the epoch, then loads the head)
-        epoch = int(self._ctl[_EPOCH])
+        epoch = self._ctl[_EPOCH]
         if epoch & 1 and epoch != self._woken:
             self._woken = epoch
             return True
@@ -165,7 +162,7 @@ class Consumer(_Ring):
 
     def ready(self) -> bool:
         """True if the producer published bytes not taken yet (cheap: one load)."""
-        return int(self._ctl[_HEAD]) != self._cursor
+        return self._ctl[_HEAD] != self._cursor
 
     def take(self) -> tuple[int, memoryview] | None:
         """The next record as ``(kind, payload view)``, or None if none is published; raises
@@ -173,7 +170,7 @@ class Consumer(_Ring):
         capacity = self.capacity
         while True:
             cursor = self._cursor
-            available = int(self._ctl[_HEAD]) - cursor
+            available = self._ctl[_HEAD] - cursor
             if available == 0:
                 return None
             if not 0 < available <= capacity - (cursor - self._tail) or available & 7:
@@ -186,11 +183,11 @@ class Consumer(_Ring):
                     raise RingError("a wrap marker past the produced bytes")
                 self._cursor = cursor + to_end
                 continue
-            need = _padded(length)
+            need = _FRAME_BYTES + ((length + 7) & ~7)  # frame, payload, padding
             if length > self.max_payload or need > to_end or need > available:
                 raise RingError(f"a record of {length} bytes at {pos} leaves the ring or the produced bytes")
             self._cursor = cursor + need
-            start = pos + _FRAME.size
+            start = pos + _FRAME_BYTES
             return kind, self.data[start : start + length]
 
     def commit(self) -> None:

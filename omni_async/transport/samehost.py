@@ -176,7 +176,9 @@ class RingReceiver:
             if self._closed:
                 return
             self._active = delivered > 0
-            if delivered or awake or consumer.sleep():  # (a record may have come just before it slept)
+            if delivered or awake:
+                self.kick()
+            elif consumer.sleep():  # a record came just before it slept
                 consumer.awake()
                 self.kick()
         except ProtocolError as exc:
@@ -198,16 +200,17 @@ class RingReceiver:
 
     def _take_batch(self) -> int:
         consumer = self._consumer
+        take, deliver = consumer.take, self._deliver
         delivered = 0
         self._delivering = True
         try:
             while delivered < _BATCH:
-                record = consumer.take()
+                record = take()
                 if record is None:
                     break
                 delivered += 1
                 try:
-                    self._deliver(*record)
+                    deliver(*record)
                 except ProtocolError:
                     raise
                 except Exception:  # a handler bug fails that record, not the ring

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Generator
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from ..errors import OmniAsyncError, TransferCancelled
 
@@ -24,6 +24,10 @@ class State(Enum):
     DRAINING = "draining"  # cancelled in "wait" mode: settles once the data plane lets go
     DONE = "done"
     FAILED = "failed"
+
+
+_SETTLED: Final = (State.DONE, State.FAILED)
+"""The settled states (a tuple: ``in`` compares members by identity, a set would hash an Enum in Python)."""
 
 
 class Transfer:
@@ -62,7 +66,7 @@ class Transfer:
 
     def done(self) -> bool:
         """True once settled (done or failed)."""
-        return self._state in (State.DONE, State.FAILED)
+        return self._state in _SETTLED
 
     def error(self) -> OmniAsyncError | None:
         """The failure, or None if pending or done."""
@@ -81,13 +85,13 @@ class Transfer:
             self._callbacks.append(callback)
 
     def __await__(self) -> Generator[Any, None, None]:
-        if not self.done():
+        if self._state not in _SETTLED:  # (done(), inline: once per await)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
                 yield from waiter.__await__()
             finally:
-                if not self.done():  # the awaiter was cancelled: forget its future
+                if self._state not in _SETTLED:  # the awaiter was cancelled: forget its future
                     self._waiters.remove(waiter)
         if self._error is not None:
             raise self._error
@@ -117,7 +121,7 @@ class Transfer:
         """Settle successfully (a draining transfer settles as cancelled)."""
         if self._state is State.DRAINING:
             self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
-        elif not self.done():
+        elif self._state not in _SETTLED:
             self._settle(None)
 
     def set_failed(self, error: OmniAsyncError) -> None:

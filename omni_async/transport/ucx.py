@@ -87,9 +87,12 @@ from ..wire import (
     WriteRequest,
     data_tag,
     decode_header,
+    decode_record,
     encode_header,
+    encode_record,
     validate_message,
     validate_write,
+    with_length,
 )
 from .iov import address_of, iov_of_runs
 from .lane import Completion, Lane, new_context
@@ -426,13 +429,21 @@ class UcxTransport:
 
     def _ring_record(self, link: PeerLink, kind: int, payload: memoryview) -> None:
         """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
-        header = decode_header(payload)
-        if kind == KIND_MESSAGE and isinstance(header, MessageHeader):
-            self._on_ring_message(link, header, payload)
-        elif kind == KIND_HEADER and isinstance(header, WriteRequest | Ack | Acks | Commit):
-            self._handle_header(link, header)  # Goodbye and RingOffer come only over the lane
+        header: DataHeader
+        if kind == KIND_HEADER:  # the header alone, no length prefix (the ring frames it)
+            header = decode_record(payload)
+            handler = self._RING_HANDLERS.get(type(header))  # Goodbye and RingOffer come only over the lane
+            if handler is not None:
+                handler(self, link, header)
+                return
+        elif kind == KIND_MESSAGE:  # a length-prefixed message header, then its frames
+            header = decode_header(payload)
+            if isinstance(header, MessageHeader):
+                self._on_ring_message(link, header, payload)
+                return
         else:
-            raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
+            raise ProtocolError(f"ring record of unknown kind {kind}")
+        raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
 
     def _ring_broke(self, link: PeerLink, error: ProtocolError) -> None:
         link.ring_in = None
@@ -440,18 +451,19 @@ class UcxTransport:
 
     def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
         """Send a header through the peer's ring if there is one with room, else over UCX."""
-        data = encode_header(header)
+        body = encode_record(header)
         try:
-            if self._ring_put(link, data):
+            if self._ring_put(link, body):
                 return
         except RingError as exc:
             self._drop(link, exc)
             return
-        link.lane.send(data, HEADER_TAG, done)
+        link.lane.send(with_length(body), HEADER_TAG, done)
 
     def _ring_put(self, link: PeerLink, data: bytes) -> bool:
-        """Put one encoded header into the peer's ring, where the peer sees it on return;
-        False if there is no ring, no room, or it broke (send it another way).  Raises
+        """Put one header (:func:`~omni_async.wire.encode_record`) into the peer's ring, where
+        the peer sees it on return; False if there is no ring, no room, or it broke (send it
+        another way).  Raises
         :class:`RingError` if the peer corrupted the ring."""
         ring = link.ring_out
         if ring is None:
@@ -627,12 +639,20 @@ class UcxTransport:
         placed = placed and (notice is None or link.ring_out is not None)
         # Puts: a write without a notice to a peer that offered its keys (tcp, other hosts).
         put = direct is None and notice is None and link.remote_keys is not None
-        requests: list[tuple[int, int, Callable[[], None]]] = []
         # A run is one payload message per region unless gathered: keep a request within the
         # receiver's bound on payload messages pending.
-        split = split_runs(
-            runs, link.peer.max_write_blocks, min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers), blocks
-        )
+        max_runs = min(RUNS_PER_REQUEST, MAX_PENDING_PAYLOADS // layers)
+        if (
+            placed
+            and notice is None
+            and blocks * block_bytes < ANNOUNCE_BYTES
+            and blocks <= link.peer.max_write_blocks
+            and len(runs) <= max_runs
+        ):  # the common small write: one placed request, copied then told (as the loop below makes it)
+            _carry_out(link.outbox.submit(transfer.id, [(0, 0, partial(self._place, link, transfer.id, runs))]))
+            return transfer
+        requests: list[tuple[int, int, Callable[[], None]]] = []
+        split = split_runs(runs, link.peer.max_write_blocks, max_runs, blocks)
         announced = False
         for part, request in enumerate(split):
             tag = None if notice is None else _Tag(notice, part, len(split))
@@ -793,7 +813,7 @@ class UcxTransport:
         seq = link.outbox.take_seq(0)
         intent = _write_request(transfer_id, seq, runs, tag, placed=True, intent=tag is None, part=part, parts=parts)
         try:
-            in_ring = link.direct is not None and self._ring_put(link, encode_header(intent))
+            in_ring = link.direct is not None and self._ring_put(link, encode_record(intent))
         except RingError as exc:
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             self._drop(link, exc)
@@ -1029,7 +1049,8 @@ class UcxTransport:
             if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
                 abort = Abort(transfer_id, error.code, str(error)[:1000])
                 link.lane.send(encode_header(abort), HEADER_TAG, _ignore)
-            _carry_out(link.outbox.forget(transfer_id))
+            if error is not None:  # (an acknowledged one left the outbox with its last answer, or never entered it)
+                _carry_out(link.outbox.forget(transfer_id))
             if link.parked:
                 self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
         outcome = "ok" if error is None else error.code
@@ -1166,7 +1187,8 @@ class UcxTransport:
             self._settle(link, transfer_id, error_from_code(*error) if error else None)
         if link.held:
             self._release_held(link)  # before the posts the answer released: they came later
-        _carry_out(posts)
+        if posts:
+            _carry_out(posts)
 
     def _on_write(self, link: PeerLink, req: WriteRequest) -> None:
         """A block write: each run's rows of every region of the set, run by run (gathered:
@@ -1192,14 +1214,14 @@ class UcxTransport:
             else:
                 self._drain(link, req, InvalidBlocks(str(exc)), refuse)
             return
+        if req.placed and req.notice is None and not req.intent:  # copied already, no notice: answered now
+            self._answer(link, req.transfer_id, "blocks", blocks * self.regions.block_bytes, None)
+            return
         finish = self._answerer(link, req, blocks * self.regions.block_bytes, valid=True)
         if finish is None:
             return
-        if req.placed:  # no payload follows: the rows are (or, for an intent, will be) copied
-            if not req.announced:
-                finish(None)
-            else:
-                self._intend(link, req, finish, None)
+        if req.placed:  # an intent: the rows will be copied, answered on its commit
+            self._intend(link, req, finish, None)
             return
         if not self._admit(link, req.seq, messages, 0):
             return
@@ -1409,9 +1431,9 @@ class UcxTransport:
         if self._links.get(link.peer.peer_id) is not link:
             return
         failed = None if error is None else sink_error(error)
-        self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
         ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, str(failed)[:1000])
-        self._send_header(link, ack, _ignore)
+        self._send_header(link, ack, _ignore)  # first: the sender waits for it, not for our metrics
+        self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
 
     def _flush_acks(self, link: PeerLink) -> None:
         """Send the acknowledgements held in :attr:`PeerLink.acks` (end of a ring batch, or
@@ -1436,6 +1458,13 @@ class UcxTransport:
         MessageHeader: _on_message,
     }
     """Each data header's handler ``(self, link, header)``: every type of ``DataHeader``."""
+    _RING_HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
+        WriteRequest: _on_write,
+        Ack: _on_ack,
+        Acks: _on_acks,
+        Commit: _on_commit,
+    }
+    """The handlers of the headers a peer may put into its ring as ``KIND_HEADER`` records."""
 
     async def close(self) -> None:
         """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
