@@ -353,6 +353,40 @@ async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
     assert (b.region.array[:32] == 5).all() and link.direct is None and "a" in b.peers
 
 
+async def test_a_split_announced_write_whose_copy_fails_frees_every_window_share(make_agent):
+    """The first part's copy fails (no permission): the write fails and the lane is closed;
+    the parts after it, posted but never sent, give their window shares back at once (an
+    unanswered share would stall later writes until their deadline)."""
+    a = await make_agent(64, 64 << 10, peer_id="a")
+    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    link = a.transport.links["b"]
+    async with asyncio.timeout(5):
+        while not (link.ring_out and b.transport.links["a"].ring_out):
+            await asyncio.sleep(0.01)
+    direct = link.direct
+
+    class Refusing:  # fault injection around the real writers
+        kind, num_blocks, mapped = direct.kind, direct.num_blocks, direct.mapped
+
+        def place(self, srcs, runs):
+            raise PermissionError(1, "not permitted")
+
+        def close(self):
+            direct.close()
+
+    link.direct = Refusing()
+    rows = list(range(48))  # three announced requests of 16 blocks
+    with pytest.raises(TransferFailed, match="not permitted"):
+        await asyncio.wait_for(a.write_blocks("b", rows, rows), 5)
+    window = link.outbox.window
+    async with asyncio.timeout(5):  # the first part's share comes back with the peer's answer
+        while window.messages or window.nbytes:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(a.write_blocks("b", [1], [1]), 5)
+    assert (window.messages, window.nbytes) == (0, 0)
+
+
 async def test_switch_off_leaves_everything_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
     assert a.transport.links["b"].ring_in is None and a.transport.links["b"].ring_out is None

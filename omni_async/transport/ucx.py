@@ -556,7 +556,7 @@ class UcxTransport:
             direct.num_blocks >= link.peer.num_blocks  # the runs are bounded by the peer's layout
             or max(run.remote + run.length for run in runs) <= direct.num_blocks
         )
-        # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
+        # A write with a notice is placed only behind an intent in the peer's ring (see _place_announced).
         placed = placed and (notice is None or link.ring_out is not None)
         requests: list[tuple[int, int, Callable[[], None]]] = []
         # A run is one payload message per region unless gathered: keep a request within the
@@ -672,10 +672,13 @@ class UcxTransport:
 
     def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header
-        (a write without a notice: nobody but the sender awaits it)."""
+        (a write without a notice: nobody but the sender awaits it).  If the copy fails nothing
+        is sent, so no answer will come: the request's window share is withdrawn here."""
         if self._copy(link, transfer_id, runs):
             header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
             self._send_header(link, header, partial(self._sent, link, transfer_id))
+        else:
+            _carry_out(link.outbox.withdraw(transfer_id))
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
@@ -713,8 +716,11 @@ class UcxTransport:
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
         through ``fault``, like a broken lane); any other failure (no permission) fails this
-        transfer only, with TransferFailed, and later writes go through UCX.  A request queued
-        before such a failure fails too (its window share was counted without payload).
+        transfer only, with TransferFailed, and later writes go through UCX.  A request posted
+        after the lane was closed (a later part of the same write, or one queued for the
+        window) fails the same way.  On False the request's window share is the caller's to
+        free: withdrawn if nothing was sent, answered by the peer if its intent is in the ring
+        (the transfer's ``Abort`` fails the intent).
         """
         direct = link.direct
         if direct is None:
