@@ -592,6 +592,29 @@ def test_a_transport_over_a_dev_shm_file_does_not_offer_it():
         os.unlink(path)
 
 
+def test_a_close_that_raises_still_lets_go_of_the_region_file():
+    """Stopping the facade raises (here: its agent's close, injected; in life an interrupt):
+    the descriptor of the caller's region file that the transport opened is closed anyway."""
+    region = BlockRegion.allocate(NUM_BLOCKS, BLOCK_LEN)
+    name = f"/memfd:omni-{region.segment.token} (deleted)"
+    t = SyncDataTransport(memoryview(region.array), config=config("raising-close"))
+    agent = t.agent
+    real_close = agent.close
+    held_open = len(fds_to(name))  # the region's, its mapping's and the transport's
+
+    def refuse() -> None:
+        raise RuntimeError("injected")
+
+    agent.close = refuse  # fault injection around the real agent
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            t.close()
+        assert len(fds_to(name)) == held_open - 1
+    finally:  # what the failed close left running
+        asyncio.run_coroutine_threadsafe(real_close(), t.loop).result(DEADLINE_S)
+        t.loop.call_soon_threadsafe(t.loop.stop)
+
+
 def fds_to(path: str) -> list[int]:
     """This process's descriptors that point to ``path``."""
     found = []

@@ -124,9 +124,11 @@ class _Engine:
         """Close the agent (failing what is in flight) to its end, stop the loop, join its thread;
         close the descriptor of the caller's region file if the agent offered one to peers."""
         agent = self.agent
-        self.portal.stop(agent.close if agent is not None else None, _CLOSE_BUDGET_S)
-        if self.region is not None:
-            self.region.release_shared_file()
+        try:
+            self.portal.stop(agent.close if agent is not None else None, _CLOSE_BUDGET_S)
+        finally:  # even if stopping raised (an interrupt): the descriptor never outlives this
+            if self.region is not None:
+                self.region.release_shared_file()
         with self.portal.lock:
             self.inflight.clear()
             self.settled.clear()

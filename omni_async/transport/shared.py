@@ -161,13 +161,17 @@ class MappedFile(MappedRegion):
         try:
             _check_writable(share.pid, share.fd)
             start = share.offset - share.offset % mmap.ALLOCATIONGRANULARITY
-            self._mapping = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED,
-                                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            mapping = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                                offset=start)
         finally:
-            os.close(fd)
-        self._rows = np.frombuffer(self._mapping, np.uint8, num_blocks * block_len, share.offset - start).reshape(
-            num_blocks, block_len
-        )
+            os.close(fd)  # the mapping holds the file
+        try:
+            rows = np.frombuffer(mapping, np.uint8, num_blocks * block_len, share.offset - start)
+        except BaseException:
+            mapping.close()
+            raise
+        self._mapping = mapping
+        self._rows = rows.reshape(num_blocks, block_len)
 
 
 def _check_writable(pid: int, fd: int) -> None:
