@@ -445,6 +445,24 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
     await asyncio.wait_for(c.write_blocks("b", [1], [1]), 5)
 
 
+async def test_a_rogue_record_after_good_ones_in_a_batch_still_acknowledges_them(make_agent):
+    """Chunk messages and then a record that breaks the protocol, taken in one ring batch: the
+    peer is dropped, but the messages delivered before the bad record are acknowledged first
+    (their sender must not hear PeerLost for data that arrived)."""
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(key))
+    producer = a.transport.links["b"].ring_out.producer
+    transfers = [a.send_message("b", f"k{i}", b"", [np.ones(8, np.uint8)]) for i in range(3)]
+    producer.put(9, [encode_header(Ack(1))])  # same turn of the loop: b takes all four at once
+    async with asyncio.timeout(5):
+        while "a" in b.peers:
+            await asyncio.sleep(0.01)
+    assert got == ["k0", "k1", "k2"]
+    await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 5)
+    assert [t.error() for t in transfers] == [None, None, None]
+
+
 async def test_removing_a_peer_releases_both_rings(make_agent):
     a, b = await pair(make_agent)
     ours = a.transport.links["b"].ring_in
