@@ -264,6 +264,63 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     assert time.process_time() - cpu < 0.05
 
 
+def intent(transfer_id: int) -> bytes:
+    """An encoded intent (a large write announced before its copy) of one row."""
+    from omni_async.wire import WriteRequest
+
+    return encode_header(WriteRequest(transfer_id, 0, [(0, 1)], placed=True, intent=True))
+
+
+async def turns_while_announcing(a, b, intents: int, gap: float) -> int:
+    """Put ``intents`` intents that are never committed into b's ring, one per ``gap``
+    seconds; b's ring turns from the second intent on."""
+    ring, ours = a.transport.links["b"].ring_out, b.transport.links["a"].ring_in
+    ours.lost_core = 1.0  # a loaded machine must not end b's polling early
+    turns = 0
+    for i in range(intents):
+        if i == 1:
+            turns = ours.turns
+        assert ring.send(samehost.KIND_HEADER, [intent(1000 + i)])
+        await asyncio.sleep(gap)
+    assert len(b.transport.links["a"].intents) == intents
+    return ours.turns - turns
+
+
+async def test_intents_never_committed_keep_a_receiver_awake_only_once(make_agent):
+    """A peer that keeps announcing intents it never commits, each within INTENT_WAIT of the
+    last: the receiver stays awake (polls its ring) for the first one only, then sleeps between
+    records, so the peer cannot keep its loop spinning."""
+    from omni_async.transport.ucx import INTENT_WAIT
+
+    a, b = await pair(make_agent)
+    b.transport.links["a"].ring_out.in_this_process = False  # as if a ran in another process
+    intents = 20
+    turns = await turns_while_announcing(a, b, intents, INTENT_WAIT * 2 / 3)
+    assert turns < 6 * intents  # a wake-up and a spin or two per record; polling all along: ~30 each
+
+
+async def test_a_receiver_does_not_poll_for_the_commit_of_a_peer_in_this_process(make_agent):
+    """The peer runs in this process: it cannot copy while we poll, so an intent does not keep
+    the receiver awake."""
+    from omni_async.transport.ucx import INTENT_WAIT
+
+    a, b = await pair(make_agent)
+    intents = 10
+    turns = await turns_while_announcing(a, b, intents, INTENT_WAIT * 4)
+    assert turns < 6 * intents  # a wake-up and a spin or two per record; polling: ~60 each
+
+
+async def test_a_removed_peers_draining_lane_does_not_stay_hot(make_agent):
+    """A removed peer's lane drains its goodbye for a while: it polls only as any lane
+    without a peer's requests does, not as a hot lane (its rings are gone, not its ring traffic
+    moved onto it)."""
+    a, b = await pair(make_agent)
+    lane = a.transport.links["b"].lane
+    assert lane.stay_hot is not None and not lane.stay_hot()  # the rings carry the traffic
+    await asyncio.wait_for(a.remove_peer("b"), 5)
+    assert not lane.stay_hot()
+
+
 async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(make_agent):
     """A same-host write of at least ANNOUNCE_BYTES goes into the receiver's ring as an intent
     before its copy, and a commit after it (the receiver checks it meanwhile and is awake for

@@ -331,7 +331,8 @@ class UcxTransport:
         lane.on_stray = partial(self._stray_arrived, link)
         # Acknowledgements come through the ring once there is one: the lane need not spin.
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
-        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None
+        # Not once removed: a draining lane has no rings left, yet nothing to stay hot for.
+        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None and self._links.get(peer.peer_id) is link
         self._offer_ring(link)
 
     def _offer_ring(self, link: PeerLink) -> None:
@@ -1138,9 +1139,13 @@ class UcxTransport:
             error = ProtocolError(f"a second intent of write {req.transfer_id} part {req.part} before its commit")
             self._drop(link, error)
             return
+        first = not link.intents
         link.intents[req.transfer_id, req.part] = (answer, refusal)
-        if link.ring_in is not None:
-            link.ring_in.stay_awake(INTENT_WAIT)  # the sender copies now: its commit is near
+        # The sender copies now: its commit is near.  Armed once per pending intent (a peer that
+        # keeps announcing intents it does not commit cannot keep us polling), and not for a
+        # peer in this process (it cannot copy while we poll).
+        if first and link.ring_in is not None and _peer_elsewhere(link):
+            link.ring_in.stay_awake(INTENT_WAIT)
 
     def _on_commit(self, link: PeerLink, commit: Commit) -> None:
         """The rows of an intent are copied: answer it (a commit with no intent: dropped)."""
@@ -1407,8 +1412,14 @@ def _awaits_answer(link: PeerLink) -> bool:
     """Whether an answer from the peer is due and may come while this thread spins: a transfer
     awaits its acknowledgement and the peer runs in another process (one in this process
     cannot answer while we spin: a spin there only delays it)."""
+    return bool(link.sent) and _peer_elsewhere(link)
+
+
+def _peer_elsewhere(link: PeerLink) -> bool:
+    """Whether the peer runs in another process, as far as its ring says (no ring: unknown,
+    False)."""
     ring = link.ring_out
-    return bool(link.sent) and ring is not None and not ring.in_this_process
+    return ring is not None and not ring.in_this_process
 
 
 def _follows_ring(header: DataHeader) -> bool:
