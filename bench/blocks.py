@@ -84,8 +84,8 @@ async def run_blocks(opts: Options) -> dict[str, Any]:
     nixl: dict[str, NixlSide] = {}
     compat = CompatSide() if opts.compat and SHM in modes else None
     try:
-        for tag in ("src", "dst-nixl", "dst-memcpy", "dst-compat"):
-            files.append(ShmFile(tag, REGION_BYTES))
+        for _role in ("src", "dst-nixl", "dst-memcpy", "dst-compat"):
+            files.append(ShmFile(REGION_BYTES))
         src, dst_nixl, dst_memcpy, dst_compat = files
         fill_random(src.flat, seed=7)
         async with Children() as children:

@@ -12,7 +12,7 @@ no asyncio in it, the transports' own loops run in their threads.
 * sender: prints ``{"ready": true}``, then answers one JSON line per request:
   ``{"cmd": "connect", "peers": [...]}`` registers receiver ``i`` with transport ``i`` and
   answers how each writes the receiver's blocks (``{"connected": n, "direct": [kind or null]}``,
-  see ``UcxTransport.direct_kind``: the receivers' views map ``/dev/shm`` files, so ``"file"``);
+  see ``UcxTransport.direct_kind``: the receivers' views map sealed memfds, so ``"file"``);
   ``{"cmd": "run", "index", "local", "remote", "iters", "warmup", "poll", "budget_s"}`` answers
   ``{"ns": [...]}``: each write timed from ``write_blocks`` to the ``poll()`` that reports its id
   done.  ``poll`` is ``"tight"`` (poll again at once) or ``"step"`` (before each poll, one step

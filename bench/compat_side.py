@@ -1,8 +1,8 @@
 """The facade contender: :class:`~omni_async.compat.SyncDataTransport` polled like NIXL.
 
 A receiver and a sender process (``bench.compat_peer``), one transport per geometry on each
-side, same-host defaults; each side's view maps a ``/dev/shm`` file, which the receiver offers
-as that file, so the sender maps it (the ``"file"`` same-host lane, reported in ``config``).
+side, same-host defaults; each side's view maps a sealed memfd (:class:`~bench.shm.ShmFile`),
+which the receiver offers as that file, so the sender maps it (the ``"file"`` same-host lane, reported in ``config``).
 Rows ``compat_a``, ``compat_b``, ``compat_c`` repeat workloads a, b and c through the facade in
 two poll modes (see :mod:`bench.compat_peer`): ``tight`` and ``step``.  Iteration counts are
 capped (:data:`MAX_ITERS`) and each timed loop is time-boxed (``budget_s``): the facade was

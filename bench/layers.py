@@ -107,7 +107,7 @@ async def run_layers(quick: bool = False, nixl: bool = True) -> dict[str, Any]:
     geometry = Geometry("16k", BLOCK_LEN)
     results: dict[str, Any] = {}
     nixl_reason: dict[str, str | None] = {}
-    files = [ShmFile(tag, REGION_BYTES) for tag in ("layers-src", "layers-nixl", "layers-memcpy")]
+    files = [ShmFile(REGION_BYTES) for _role in ("layers-src", "layers-nixl", "layers-memcpy")]
     try:
         src, dst_nixl, dst_memcpy = files
         fill_random(src.flat, seed=11)

@@ -1,46 +1,41 @@
-"""Region files in ``/dev/shm``: memory both the bench and a child process map (MAP_SHARED).
+"""Region files: memory both the bench and a child process map (MAP_SHARED).
 
-The bench fills sources and checks destinations through its own mapping while the children
-move the bytes, so verification needs no extra protocol.  Files are removed by :meth:`close`.
+Each is a sealed memfd (:class:`~omni_async.memfd.SharedSegment`: it can never shrink, so a
+peer's facade may map it, see docs/migration.md) that children open as
+``/proc/<bench pid>/fd/<n>`` while the bench holds it.  The bench fills sources and checks
+destinations through its own mapping while the children move the bytes, so verification needs
+no extra protocol.  Nothing is named in the file system: the memory goes with the last mapping.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 import numpy.typing as npt
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+from omni_async.memfd import SharedSegment
 
 
 class ShmFile:
-    """A zero-filled ``nbytes`` file in :data:`SHM_DIR` and the bench's shared mapping of it."""
+    """A zero-filled ``nbytes`` sealed memfd, every page allocated, and the bench's mapping of
+    it; ``path`` opens it in a child (only while this object is open)."""
 
-    def __init__(self, tag: str, nbytes: int) -> None:
-        fd, self.path = tempfile.mkstemp(prefix=f"omni-bench-{tag}-", dir=SHM_DIR)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
+    def __init__(self, nbytes: int) -> None:
+        self._segment = SharedSegment(nbytes)
+        os.posix_fallocate(self._segment.fd, 0, nbytes)  # no child meets a full tmpfs (SIGBUS)
+        self.path = f"/proc/{os.getpid()}/fd/{self._segment.fd}"
         self.nbytes = nbytes
-        self.flat: npt.NDArray[np.uint8] = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        self.flat: npt.NDArray[np.uint8] = self._segment.array
 
     def rows(self, block_len: int) -> npt.NDArray[np.uint8]:
-        """The file as ``nbytes // block_len`` rows of ``block_len`` bytes: a plain ndarray view.
-
-        Plain, not ``np.memmap``: every slice of a memmap runs ``memmap.__array_finalize__`` in
-        Python, which would add microseconds per block to whoever slices it.
-        """
-        return self.flat.view(np.ndarray).reshape(self.nbytes // block_len, block_len)
+        """The file as ``nbytes // block_len`` rows of ``block_len`` bytes: a plain ndarray view."""
+        return self.flat.reshape(self.nbytes // block_len, block_len)
 
     def close(self) -> None:
-        """Unlink the file (mappings stay valid until dropped).  Idempotent."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Close the bench's descriptor (children can no longer open ``path``; every mapping
+        stays valid until dropped).  Idempotent."""
+        self._segment.close()
 
 
 def fill_random(array: npt.NDArray[np.uint8], seed: int) -> None:

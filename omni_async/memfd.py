@@ -1,5 +1,5 @@
 """Shared memory for block regions: an anonymous, sealed ``memfd`` mapped ``MAP_SHARED``, or
-the tmpfs file a caller's buffer already maps (:class:`SharedFile`).
+the sealed tmpfs file a caller's buffer already maps (:class:`SharedFile`).
 
 A :class:`SharedSegment` is never named in ``/dev/shm`` or anywhere else in the file system:
 the kernel frees it when its last file descriptor and its last mapping are gone, so nothing
@@ -75,15 +75,15 @@ class SharedSegment:
 
 
 class SharedFile:
-    """The tmpfs file that a caller's buffer is a ``MAP_SHARED`` mapping of (a file in
-    ``/dev/shm``, or a memfd), opened here so that peers on this host can map it too.
+    """The tmpfs file that a caller's buffer is a ``MAP_SHARED`` mapping of, opened here so
+    that peers on this host can map it too: only a file that can never shrink (a memfd sealed
+    with ``F_SEAL_SHRINK``), since a copy into a page past a file's end kills the copying
+    process (SIGBUS), and a peer must not be able to do that to us, nor we to it.
 
     :meth:`find` looks the buffer up in ``/proc/self/maps``; the descriptor it opens names
     the file by ``inode`` (checked against the mapping), and the buffer starts ``offset``
     bytes into it.  Every page of the buffer's range is allocated at once
-    (``posix_fallocate``), so a peer's write can never meet a full tmpfs (SIGBUS).  Unlike a
-    :class:`SharedSegment`, the file is not sealed: its owner could shrink it, which is why a
-    peer checks its size before each copy (see :mod:`omni_async.transport.shared`).
+    (``posix_fallocate``), so a peer's write can never meet a full tmpfs (SIGBUS either).
 
     A file's name proves nothing about who offers it, so next to it an empty memfd named by a
     random ``token`` (:func:`link_name`) stays open as ``proof_fd``: a peer that finds that
@@ -105,29 +105,43 @@ class SharedFile:
 
     @classmethod
     def find(cls, address: int, size: int) -> SharedFile | None:
-        """The shared tmpfs file mapped writable at ``[address, address + size)`` in this
-        process, opened; None if that range is not one such mapping (private memory, a disk
-        file, a read-only or private mapping, several mappings) or the file cannot be opened
-        and allocated (logged)."""
+        """The sealed tmpfs file mapped shared and writable at ``[address, address + size)``
+        in this process, opened (see :func:`open_sealed_file`); None if that range is not one
+        such mapping (private memory, a disk file, a read-only or private mapping, several
+        mappings), the file may shrink (a plain ``/dev/shm`` file, an unsealed memfd) or it
+        cannot be opened and allocated (logged)."""
         found = _mapping_of(address, size)
         if found is None:
             return None
         start, file_offset, device, inode, path = found
         offset = file_offset + address - start
-        fd = _open_file(device, inode, path)
-        if fd is None:
-            log.info("no shared file for the region at %#x: cannot open %r (inode %d)", address, path, inode)
-            return None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or fs_type(fd) != TMPFS_MAGIC or info.st_size < offset + size:
-                raise OSError(f"{path!r} is not a regular tmpfs file covering the region")
-            os.posix_fallocate(fd, offset, size)
+        # Reopened from a descriptor of this process that holds it (a memfd, or a file a
+        # mapping keeps open), else from its path.
+        candidates = [f"/proc/self/fd/{name}" for name in os.listdir("/proc/self/fd")]
+        if path.startswith("/") and not path.endswith(" (deleted)"):
+            candidates.append(path)
+        why = f"no descriptor of {path!r} (inode {inode})"
+        for candidate in candidates:
+            try:
+                info = os.stat(candidate)
+            except OSError:
+                continue
+            if (info.st_dev, info.st_ino) != (device, inode):
+                continue
+            try:
+                fd = open_sealed_file(candidate, inode, offset + size, device)
+            except OSError as exc:
+                why = str(exc)
+                continue
+            try:
+                os.posix_fallocate(fd, offset, size)
+            except OSError as exc:
+                os.close(fd)
+                log.info("no shared file for the region at %#x: %s", address, exc)
+                return None
             return cls(fd, inode, offset)
-        except OSError as exc:
-            os.close(fd)
-            log.info("no shared file for the region at %#x: %s", address, exc)
-            return None
+        log.info("no shared file for the region at %#x: %s", address, why)
+        return None
 
     @property
     def shareable(self) -> bool:
@@ -164,29 +178,36 @@ def _mapping_of(address: int, size: int) -> tuple[int, int, int, int, str] | Non
     return None
 
 
-def _open_file(device: int, inode: int, path: str) -> int | None:
-    """A read-write descriptor of the file ``(device, inode)``: reopened from a descriptor of
-    this process that holds it (a memfd, or a file a mapping keeps open), else from ``path``;
-    None if neither is that file."""
-    candidates = [f"/proc/self/fd/{name}" for name in os.listdir("/proc/self/fd")]
-    if path.startswith("/") and not path.endswith(" (deleted)"):
-        candidates.append(path)
-    for candidate in candidates:
+def open_sealed_file(path: str, inode: int, size: int, device: int | None = None) -> int:
+    """Open ``path`` (read-write, close-on-exec) if it is the regular tmpfs file ``inode`` (on
+    ``device`` if given) of at least ``size`` bytes, sealed against shrinking: a file a peer
+    may map, since no page of it can vanish under a mapping (SIGBUS).  The path is checked
+    before it is opened (never open something else: a device, a fifo) and everything again on
+    the descriptor opened here (never trust an offer: the seals are the file's, read here).
+    Raises :class:`OSError` saying why otherwise."""
+
+    def same(info: os.stat_result) -> bool:
+        return stat.S_ISREG(info.st_mode) and info.st_ino == inode and device in (None, info.st_dev)
+
+    if not same(os.stat(path)):
+        raise OSError(f"{path} is not the regular file with inode {inode}")
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)  # the same file still (a descriptor number may have been reused)
+        if not same(info) or fs_type(fd) != TMPFS_MAGIC:
+            raise OSError(f"{path} is not the tmpfs file with inode {inode}")
+        if info.st_size < size:
+            raise OSError(f"{path} holds {info.st_size} bytes, the region needs {size}")
         try:
-            info = os.stat(candidate)
-        except OSError:
-            continue
-        if (info.st_dev, info.st_ino) != (device, inode) or not stat.S_ISREG(info.st_mode):
-            continue
-        try:
-            fd = os.open(candidate, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-        except OSError:
-            continue
-        opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) == (device, inode):
-            return fd
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # a file system without seals
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise OSError(f"{path} is not sealed against shrinking (F_SEAL_SHRINK): a peer may not map it")
+    except BaseException:
         os.close(fd)
-    return None
+        raise
+    return fd
 
 
 class _StatFs(ctypes.Structure):

@@ -4,7 +4,7 @@ A :class:`BlockRegion` is a ``num_blocks × block_len`` uint8 array.  Remote pee
 (the transport posts receives straight into its row slices), so it must stay alive and must not
 be resized while a transport uses it.  An allocated region lives in shared memory that peers
 on the same host may map (:mod:`omni_async.memfd`); a wrapped one may already (a shared
-mapping of a tmpfs file: :meth:`BlockRegion.shared_file`).  Building the one and finding the
+mapping of a tmpfs file sealed against shrinking: :meth:`BlockRegion.shared_file`).  Building the one and finding the
 other are the only I/O here.
 """
 
@@ -117,9 +117,10 @@ class BlockRegion:
         return self._segment
 
     def shared_file(self) -> SharedFile | None:
-        """For a wrapped region that is a shared, writable mapping of a tmpfs file (``/dev/shm``
-        or a memfd: e.g. ``np.memmap`` of a ``/dev/shm`` file), that file, opened so that
-        peers on this host can map it (looked up in ``/proc/self/maps`` on the first call,
+        """For a wrapped region that is a shared, writable mapping of a tmpfs file sealed against
+        shrinking (a memfd with ``F_SEAL_SHRINK``: e.g. an allocated region's array, wrapped;
+        never a plain ``/dev/shm`` file, which could shrink under a peer's mapping), that
+        file, opened so that peers on this host can map it (looked up in ``/proc/self/maps`` on the first call,
         then kept, with its descriptor, as long as the region lives); None otherwise (an
         allocated region: see :attr:`segment`)."""
         if self._file is False:

@@ -81,8 +81,8 @@ class RegionShare(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array
     ``pid`` is the advertising process.  With ``fd >= 0`` and ``inode == 0``, ``fd`` and
     ``token`` name the sealed memfd its region lives in (:mod:`omni_async.memfd`), which the
     peer maps through ``/proc/<pid>/fd/<fd>`` after checking the token.  With ``fd >= 0`` and
-    ``inode > 0``, ``fd`` is the tmpfs file (``inode``) that a wrapped region is a shared
-    mapping of, the region starting ``offset`` bytes into it, and ``proof_fd`` an empty memfd
+    ``inode > 0``, ``fd`` is the tmpfs file (``inode``, sealed against shrinking) that a
+    wrapped region is a shared mapping of, the region starting ``offset`` bytes into it, and ``proof_fd`` an empty memfd
     named by ``token`` that proves ``pid`` offers it (:class:`omni_async.memfd.SharedFile`).
     With ``fd == -1`` the peer may write the region at ``base_addr`` with
     ``process_vm_writev`` once it has read ``token`` at ``proof_addr`` in that process (proof

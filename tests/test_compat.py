@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -26,6 +27,7 @@ import pytest
 
 from omni_async import (
     AgentConfig,
+    BlockRegion,
     ClosedError,
     FingerprintMismatch,
     HandshakeRejected,
@@ -304,9 +306,14 @@ def test_unknown_cancel_mode_is_refused(make_transport):
 # -- a peer in another process -------------------------------------------------------------------------
 def _child_main(conn: Any, peer_id: str, num_blocks: int, block_len: int, path: str | None = None) -> None:
     """A SyncDataTransport in a spawned process, answering commands sent over ``conn``; its
-    memory is a shared mapping of the file ``path`` if given (e.g. in ``/dev/shm``)."""
-    memory = np.zeros((num_blocks, block_len), dtype=np.uint8) if path is None else \
-        np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, block_len)).view(np.ndarray)
+    memory is a shared mapping of the file ``path`` if given (e.g. in ``/dev/shm``), or with
+    ``path="sealed"`` an allocated region's array (a sealed memfd, as docs/migration.md says)."""
+    if path is None:
+        memory = np.zeros((num_blocks, block_len), dtype=np.uint8)
+    elif path == "sealed":
+        memory = BlockRegion.allocate(num_blocks, block_len).array
+    else:
+        memory = np.memmap(path, dtype=np.uint8, mode="r+", shape=(num_blocks, block_len)).view(np.ndarray)
     baseline = set(threading.enumerate())
     t = SyncDataTransport(memoryview(memory), config=config(peer_id))
     started = sorted(th.name for th in set(threading.enumerate()) - baseline)
@@ -497,26 +504,33 @@ def direct_kind(t: SyncDataTransport, core_id: str) -> str | None:
     return asyncio.run_coroutine_threadsafe(ask(), t.loop).result(DEADLINE_S)
 
 
-def test_a_peer_whose_view_maps_a_dev_shm_file_is_written_through_a_mapping(make_transport, child):
-    """The peer's memory is a shared mapping of a /dev/shm file (as a NIXL-style caller may
-    register): its facade offers the file, ours maps it and copies each block once (no
-    process_vm_writev); the bytes arrive, and a peer killed mid-write is reported failed."""
-    path = f"/dev/shm/omni-test-compat-{os.getpid()}-{time.monotonic_ns()}"
-    with open(path, "wb") as f:
-        f.truncate(NUM_BLOCKS * BLOCK_LEN)
+@pytest.mark.parametrize(("memory", "kind"), [("dev_shm", "process_vm_writev"), ("sealed", "file")])
+def test_a_peer_whose_view_maps_a_tmpfs_file_is_written_through_a_mapping_only_if_sealed(
+    make_transport, child, memory, kind
+):
+    """The peer's memory is a shared mapping of a tmpfs file (as a NIXL-style caller may
+    register).  A sealed memfd (an allocated region's array): its facade offers the file, ours
+    maps it and copies each block once (no process_vm_writev).  A /dev/shm file, which could
+    shrink under our mapping (SIGBUS): not offered, so process_vm_writev.  Either way the bytes
+    arrive, and a peer killed mid-write is reported failed."""
+    path = f"/dev/shm/omni-test-compat-{os.getpid()}-{time.monotonic_ns()}" if memory == "dev_shm" else "sealed"
+    if memory == "dev_shm":
+        with open(path, "wb") as f:
+            f.truncate(NUM_BLOCKS * BLOCK_LEN)
     try:
         mem = block_memory(seed=15)
         t = make_transport(mem, "shm-p")
         c = child("shm-c", path)
         pair_with_child(t, c)
-        assert direct_kind(t, "shm-c") == "file"
+        assert direct_kind(t, "shm-c") == kind
         local, remote = [1, 2, 3, 20], [4, 5, 6, 0]
         tid = t.write_blocks("child", local, remote)
         assert poll_until(t, {tid}) == PollResult([tid], [])
         got = np.frombuffer(c.call("read", remote), dtype=np.uint8).reshape(len(remote), BLOCK_LEN)
         assert np.array_equal(got, mem[local])
-        theirs = np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN))
-        assert np.array_equal(theirs[remote], mem[local])
+        if memory == "dev_shm":
+            theirs = np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN))
+            assert np.array_equal(theirs[remote], mem[local])
 
         everything = list(range(NUM_BLOCKS))
         c.signal(signal.SIGSTOP)  # it cannot acknowledge: the write stays in flight
@@ -527,13 +541,37 @@ def test_a_peer_whose_view_maps_a_dev_shm_file_is_written_through_a_mapping(make
         late = t.write_blocks("child", [0], [0])  # refused, or failed if the loss is still being processed
         assert late is None or poll_until(t, {late}) == PollResult([], [late])
     finally:
-        os.unlink(path)
+        if memory == "dev_shm":
+            os.unlink(path)
 
 
-def test_a_transport_over_a_dev_shm_file_offers_it_and_lets_go_of_it_on_close():
-    """Our view maps a /dev/shm file: the transport holds a descriptor of it (peers map it
-    through that) and of the memfd that proves the offer while open, and neither once closed,
-    even while the object is still referenced."""
+def test_a_transport_over_a_sealed_memfd_offers_it_and_lets_go_of_it_on_close():
+    """Our view is an allocated region's array (a sealed memfd): the transport holds a
+    descriptor of it (peers map it through that) and of the memfd that proves the offer while
+    open, and neither once closed, even while the object is still referenced."""
+    region = BlockRegion.allocate(NUM_BLOCKS, BLOCK_LEN)
+    view = region.array
+    name = f"/memfd:omni-{region.segment.token} (deleted)"
+    mapping_fds = fds_to(name)  # what the region and its mapping hold
+    t = SyncDataTransport(memoryview(view), config=config("shm-own"))
+    try:
+        assert len(fds_to(name)) == len(mapping_fds) + 1
+        share = t.agent.identity.region_share
+        assert share is not None and share.inode == os.fstat(region.segment.fd).st_ino
+        proof = f"/memfd:omni-{share.token} (deleted)"  # the memfd that proves the offer is ours
+        assert len(fds_to(proof)) == 1
+    finally:
+        t.close()
+    assert fds_to(name) == mapping_fds and fds_to(proof) == []
+    t.close()
+    del t, view, region
+    gc.collect()  # the memfd and its mapping go now, not amid a later test's count of descriptors
+    assert fds_to(name) == []
+
+
+def test_a_transport_over_a_dev_shm_file_does_not_offer_it():
+    """Our view maps a /dev/shm file, which could shrink under a peer's mapping (SIGBUS in the
+    peer): the transport offers process_vm_writev and holds no descriptor of the file."""
     path = f"/dev/shm/omni-test-compat-{os.getpid()}-{time.monotonic_ns()}"
     with open(path, "wb") as f:
         f.truncate(NUM_BLOCKS * BLOCK_LEN)
@@ -542,17 +580,39 @@ def test_a_transport_over_a_dev_shm_file_offers_it_and_lets_go_of_it_on_close():
         mapping_fds = fds_to(path)  # what the memmap itself holds
         t = SyncDataTransport(memoryview(view), config=config("shm-own"))
         try:
-            assert len(fds_to(path)) == len(mapping_fds) + 1
             share = t.agent.identity.region_share
-            assert share is not None and share.inode == os.stat(path).st_ino
-            proof = f"/memfd:omni-{share.token} (deleted)"  # the memfd that proves the offer is ours
-            assert len(fds_to(proof)) == 1
+            assert share is not None and share.inode == 0 and share.fd == -1 and share.proof_addr
+            assert fds_to(path) == mapping_fds
         finally:
             t.close()
-        assert fds_to(path) == mapping_fds and fds_to(proof) == []
-        t.close()
+        del t, view
+        gc.collect()  # the mapping goes now, not amid a later test's count of descriptors
+        assert fds_to(path) == []
     finally:
         os.unlink(path)
+
+
+def test_a_close_that_raises_still_lets_go_of_the_region_file():
+    """Stopping the facade raises (here: its agent's close, injected; in life an interrupt):
+    the descriptor of the caller's region file that the transport opened is closed anyway."""
+    region = BlockRegion.allocate(NUM_BLOCKS, BLOCK_LEN)
+    name = f"/memfd:omni-{region.segment.token} (deleted)"
+    t = SyncDataTransport(memoryview(region.array), config=config("raising-close"))
+    agent = t.agent
+    real_close = agent.close
+    held_open = len(fds_to(name))  # the region's, its mapping's and the transport's
+
+    def refuse() -> None:
+        raise RuntimeError("injected")
+
+    agent.close = refuse  # fault injection around the real agent
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            t.close()
+        assert len(fds_to(name)) == held_open - 1
+    finally:  # what the failed close left running
+        asyncio.run_coroutine_threadsafe(real_close(), t.loop).result(DEADLINE_S)
+        t.loop.call_soon_threadsafe(t.loop.stop)
 
 
 def fds_to(path: str) -> list[int]:

@@ -300,6 +300,63 @@ async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(mak
     assert calls / writes <= WRITE_CALL_BUDGET, calls / writes
 
 
+def intent(transfer_id: int) -> bytes:
+    """An encoded intent (a large write announced before its copy) of one row."""
+    from omni_async.wire import WriteRequest, encode_record
+
+    return encode_record(WriteRequest(transfer_id, 0, [(0, 1)], placed=True, intent=True))
+
+
+async def turns_while_announcing(a, b, intents: int, gap: float) -> int:
+    """Put ``intents`` intents that are never committed into b's ring, one per ``gap``
+    seconds; b's ring turns from the second intent on."""
+    ring, ours = a.transport.links["b"].ring_out, b.transport.links["a"].ring_in
+    ours.lost_core = 1.0  # a loaded machine must not end b's polling early
+    turns = 0
+    for i in range(intents):
+        if i == 1:
+            turns = ours.turns
+        assert ring.send(samehost.KIND_HEADER, [intent(1000 + i)])
+        await asyncio.sleep(gap)
+    assert len(b.transport.links["a"].intents) == intents
+    return ours.turns - turns
+
+
+async def test_intents_never_committed_keep_a_receiver_awake_only_once(make_agent):
+    """A peer that keeps announcing intents it never commits, each within INTENT_WAIT of the
+    last: the receiver stays awake (polls its ring) for the first one only, then sleeps between
+    records, so the peer cannot keep its loop spinning."""
+    from omni_async.transport.ucx import INTENT_WAIT
+
+    a, b = await pair(make_agent)
+    b.transport.links["a"].ring_out.in_this_process = False  # as if a ran in another process
+    intents = 20
+    turns = await turns_while_announcing(a, b, intents, INTENT_WAIT * 2 / 3)
+    assert turns < 6 * intents  # a wake-up and a spin or two per record; polling all along: ~30 each
+
+
+async def test_a_receiver_does_not_poll_for_the_commit_of_a_peer_in_this_process(make_agent):
+    """The peer runs in this process: it cannot copy while we poll, so an intent does not keep
+    the receiver awake."""
+    from omni_async.transport.ucx import INTENT_WAIT
+
+    a, b = await pair(make_agent)
+    intents = 10
+    turns = await turns_while_announcing(a, b, intents, INTENT_WAIT * 4)
+    assert turns < 6 * intents  # a wake-up and a spin or two per record; polling: ~60 each
+
+
+async def test_a_removed_peers_draining_lane_does_not_stay_hot(make_agent):
+    """A removed peer's lane drains its goodbye for a while: it polls only as any lane
+    without a peer's requests does, not as a hot lane (its rings are gone, not its ring traffic
+    moved onto it)."""
+    a, b = await pair(make_agent)
+    lane = a.transport.links["b"].lane
+    assert lane.stay_hot is not None and not lane.stay_hot()  # the rings carry the traffic
+    await asyncio.wait_for(a.remove_peer("b"), 5)
+    assert not lane.stay_hot()
+
+
 async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(make_agent):
     """A same-host write of at least ANNOUNCE_BYTES goes into the receiver's ring as an intent
     before its copy, and a commit after it (the receiver checks it meanwhile and is awake for
@@ -389,6 +446,40 @@ async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
     assert (b.region.array[:32] == 5).all() and link.direct is None and "a" in b.peers
 
 
+async def test_a_split_announced_write_whose_copy_fails_frees_every_window_share(make_agent):
+    """The first part's copy fails (no permission): the write fails and the lane is closed;
+    the parts after it, posted but never sent, give their window shares back at once (an
+    unanswered share would stall later writes until their deadline)."""
+    a = await make_agent(64, 64 << 10, peer_id="a")
+    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    link = a.transport.links["b"]
+    async with asyncio.timeout(5):
+        while not (link.ring_out and b.transport.links["a"].ring_out):
+            await asyncio.sleep(0.01)
+    direct = link.direct
+
+    class Refusing:  # fault injection around the real writers
+        kind, num_blocks, mapped = direct.kind, direct.num_blocks, direct.mapped
+
+        def place(self, srcs, runs):
+            raise PermissionError(1, "not permitted")
+
+        def close(self):
+            direct.close()
+
+    link.direct = Refusing()
+    rows = list(range(48))  # three announced requests of 16 blocks
+    with pytest.raises(TransferFailed, match="not permitted"):
+        await asyncio.wait_for(a.write_blocks("b", rows, rows), 5)
+    window = link.outbox.window
+    async with asyncio.timeout(5):  # the first part's share comes back with the peer's answer
+        while window.messages or window.nbytes:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(a.write_blocks("b", [1], [1]), 5)
+    assert (window.messages, window.nbytes) == (0, 0)
+
+
 async def test_switch_off_leaves_everything_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
     assert a.transport.links["b"].ring_in is None and a.transport.links["b"].ring_out is None
@@ -445,6 +536,24 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
     c = await make_agent(16, 4096, peer_id="c")
     await asyncio.wait_for(c.connect(b.control_address), 10)
     await asyncio.wait_for(c.write_blocks("b", [1], [1]), 5)
+
+
+async def test_a_rogue_record_after_good_ones_in_a_batch_still_acknowledges_them(make_agent):
+    """Chunk messages and then a record that breaks the protocol, taken in one ring batch: the
+    peer is dropped, but the messages delivered before the bad record are acknowledged first
+    (their sender must not hear PeerLost for data that arrived)."""
+    a, b = await pair(make_agent)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(key))
+    producer = a.transport.links["b"].ring_out.producer
+    transfers = [a.send_message("b", f"k{i}", b"", [np.ones(8, np.uint8)]) for i in range(3)]
+    producer.put(9, [encode_header(Ack(1))])  # same turn of the loop: b takes all four at once
+    async with asyncio.timeout(5):
+        while "a" in b.peers:
+            await asyncio.sleep(0.01)
+    assert got == ["k0", "k1", "k2"]
+    await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 5)
+    assert [t.error() for t in transfers] == [None, None, None]
 
 
 async def test_removing_a_peer_releases_both_rings(make_agent):

@@ -124,9 +124,11 @@ class _Engine:
         """Close the agent (failing what is in flight) to its end, stop the loop, join its thread;
         close the descriptor of the caller's region file if the agent offered one to peers."""
         agent = self.agent
-        self.portal.stop(agent.close if agent is not None else None, _CLOSE_BUDGET_S)
-        if self.region is not None:
-            self.region.release_shared_file()
+        try:
+            self.portal.stop(agent.close if agent is not None else None, _CLOSE_BUDGET_S)
+        finally:  # even if stopping raised (an interrupt): the descriptor never outlives this
+            if self.region is not None:
+                self.region.release_shared_file()
         with self.portal.lock:
             self.inflight.clear()
             self.settled.clear()
@@ -267,8 +269,9 @@ class SyncDataTransport(Facade):
             local block storage.  The caller owns the memory; the transport keeps a reference
             and, once peers are added, peers may write into any block at any time.  A block
             passed to :meth:`write_blocks` must not change until its id is polled.  A view that
-            is a shared mapping of a tmpfs file (``/dev/shm``, a memfd) is offered to peers on
-            this host as that file, which they map (one copy; see
+            is a shared mapping of a tmpfs file sealed against shrinking (a memfd with
+            ``F_SEAL_SHRINK``, e.g. ``BlockRegion.allocate(n, l).array``; not a plain
+            ``/dev/shm`` file) is offered to peers on this host as that file, which they map (one copy; see
             :meth:`~omni_async.region.BlockRegion.shared_file`): the transport then holds a
             descriptor of it until :meth:`close`.
         config_fields: model config values hashed into :attr:`config_fingerprint` (None or

@@ -71,7 +71,8 @@ class RingReceiver:
     ``deliver`` gets each record in order; ``fault`` is called once with the error that broke
     the ring (then nothing more is delivered); ``expecting()`` says whether to spin;
     ``batch_done()`` is called after every batch of records delivered (what they produced can
-    be sent together: the transport's batched acknowledgements).
+    be sent together: the transport's batched acknowledgements), also one that a record
+    breaking the protocol ends early (for the records before it), unless the ring was closed.
     """
 
     def __init__(
@@ -212,6 +213,8 @@ class RingReceiver:
                 try:
                     deliver(*record)
                 except ProtocolError:
+                    if delivered > 1 and self._batch_done is not None and not self._closed:
+                        self._batch_done()  # what the records before it produced still goes out
                     raise
                 except Exception:  # a handler bug fails that record, not the ring
                     log.exception("handling a ring record failed")

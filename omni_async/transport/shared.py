@@ -13,15 +13,17 @@ Between two processes on one host, UCX's shared-memory rendezvous copies every b
   control plane, and the kernel applies the same rule as for ``process_vm_writev`` (ptrace
   read access to the peer), so both variants need the same permission;
 * into the peer's region mapped into this process (:class:`MappedFile`), when the peer's
-  region is a caller's buffer that is itself a shared mapping of a tmpfs file (a file in
-  ``/dev/shm``, a memfd: :class:`~omni_async.memfd.SharedFile`).  The peer advertises
-  ``(pid, fd, inode, offset, token, proof_fd)``; we check that ``/proc/<pid>/fd/<proof_fd>``
-  is the empty memfd named by the token (proof that ``pid`` is the peer: a file's own name
-  proves nothing, and the peer could otherwise point our writes at a file of a process it
-  cannot write itself), open ``/proc/<pid>/fd/<fd>``, check it is a regular tmpfs file with
-  that inode holding the region's bytes at ``offset``, and map that range.  Such a
-  file is not sealed, so its owner could shrink it under our mapping: the writer keeps its
-  descriptor and checks the size before each copy (see the trust model);
+  region is a caller's buffer that is itself a shared mapping of a tmpfs file sealed against
+  shrinking (a memfd with ``F_SEAL_SHRINK``: :class:`~omni_async.memfd.SharedFile`).  The peer
+  advertises ``(pid, fd, inode, offset, token, proof_fd)``; we check that
+  ``/proc/<pid>/fd/<proof_fd>`` is the empty memfd named by the token (proof that ``pid`` is
+  the peer: a file's own name proves nothing, and the peer could otherwise point our writes at
+  a file of a process it cannot write itself) and that the peer holds ``fd`` open read-write
+  (``/proc/<pid>/fdinfo``: reopening it through ``/proc`` uses our credentials), open
+  ``/proc/<pid>/fd/<fd>``, check on that descriptor that it is a regular tmpfs file with that
+  inode, holding the region's bytes at ``offset`` and sealed against shrinking, and map that
+  range.  A file that could shrink (a plain ``/dev/shm`` file) is neither offered nor mapped:
+  a copy into a page past its end would kill the copying process (SIGBUS);
 * else with ``process_vm_writev`` into the peer's region at its ``base_addr``
   (:class:`~.vmwrite.VmWriter`), once the peer proved the pid is its own: we read, in that
   process, the random token it advertised at the address it advertised (so a peer cannot
@@ -44,7 +46,6 @@ loopback demo), and ``AgentConfig.same_host_lane = False`` turns it off.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import mmap
@@ -57,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..handshake import PeerInfo
-from ..memfd import SIZE_SEALS, TMPFS_MAGIC, fs_type, link_name
+from ..memfd import SIZE_SEALS, link_name, open_sealed_file
 from ..region import BlockRegion, Run
 from ..wire import RegionShare
 from .vmwrite import VmWriter, permit_writers, proof
@@ -136,12 +137,11 @@ class MappedRegion:
 
 
 class MappedFile(MappedRegion):
-    """A peer's region that is a shared mapping of a tmpfs file (not sealed), mapped here.
+    """A peer's region that is a shared mapping of a sealed tmpfs file, mapped here.
 
-    The file's owner could shrink it, and a copy into a page past its end would kill this
-    process (SIGBUS): so the descriptor stays open and :meth:`place` and :meth:`fetch` check
-    the file still covers the region first (an ``fstat``; a shrink that lands between that
-    check and the copy is the residual risk, see docs/reliability.md).
+    The file is sealed against shrinking (checked on the descriptor we open, not taken from
+    the offer), so no page of our mapping can vanish under a copy (SIGBUS); the descriptor is
+    closed once the range is mapped, as for a memfd region.
     """
 
     kind: Final = "file"  # type: ignore[misc]
@@ -149,66 +149,43 @@ class MappedFile(MappedRegion):
     def __init__(self, share: RegionShare, num_blocks: int, block_len: int) -> None:
         """Open, check and map the file the peer advertised; raise :class:`Refused`."""
         self.num_blocks = num_blocks
-        self._end = share.offset + num_blocks * block_len
+        end = share.offset + num_blocks * block_len
         if share.proof_fd < 0 or not share.token:
             raise Refused("the peer offered a file without proof that it is the peer's")
         _check_link(f"/proc/{share.pid}/fd/{share.proof_fd}", link_name(share.token))
-        self._fd = open_tmpfs_file(share.pid, share.fd, share.inode, self._end)
+        path = f"/proc/{share.pid}/fd/{share.fd}"
         try:
+            fd = open_sealed_file(path, share.inode, end)
+        except OSError as exc:
+            raise Refused(f"cannot map {path}: {exc.strerror or exc}") from None
+        try:
+            _check_writable(share.pid, share.fd)
             start = share.offset - share.offset % mmap.ALLOCATIONGRANULARITY
-            self._mapping = mmap.mmap(self._fd, self._end - start, flags=mmap.MAP_SHARED,
-                                      prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+            mapping = mmap.mmap(fd, end - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                                offset=start)
+        finally:
+            os.close(fd)  # the mapping holds the file
+        try:
+            rows = np.frombuffer(mapping, np.uint8, num_blocks * block_len, share.offset - start)
         except BaseException:
-            os.close(self._fd)
+            mapping.close()
             raise
-        self._rows = np.frombuffer(self._mapping, np.uint8, num_blocks * block_len, share.offset - start).reshape(
-            num_blocks, block_len
-        )
-
-    def _check_size(self) -> None:
-        if self._fd < 0 or os.fstat(self._fd).st_size < self._end:
-            self.close()
-            raise OSError(errno.EFAULT, "the peer's region file shrank under our mapping")
-
-    def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
-        self._check_size()
-        super().place(src, runs)
-
-    def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
-        self._check_size()
-        super().fetch(dst, runs)
-
-    def close(self) -> None:
-        super().close()
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        self._mapping = mapping
+        self._rows = rows.reshape(num_blocks, block_len)
 
 
-def open_tmpfs_file(pid: int, fd: int, inode: int, size: int) -> int:
-    """Open (read-write, close-on-exec) the regular tmpfs file ``inode`` that process ``pid``
-    holds as ``fd``, of at least ``size`` bytes; raise :class:`Refused` otherwise."""
-    path = f"/proc/{pid}/fd/{fd}"
+def _check_writable(pid: int, fd: int) -> None:
+    """Raise :class:`Refused` unless process ``pid`` holds ``fd`` open for writing: opening
+    ``/proc/<pid>/fd/<fd>`` reopens the file with *our* credentials, so a peer could otherwise
+    have us write a file it may only read."""
+    path = f"/proc/{pid}/fdinfo/{fd}"
     try:
-        info = os.stat(path)  # before opening: never open something else (a device, a fifo)
-    except OSError as exc:
-        raise Refused(f"cannot stat {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_ino != inode:
-        raise Refused(f"{path} is not the advertised file (inode {inode})")
-    try:
-        opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    except OSError as exc:
-        raise Refused(f"cannot open {path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(opened)  # the fd number was not reused meanwhile
-        if not stat.S_ISREG(info.st_mode) or info.st_ino != inode or fs_type(opened) != TMPFS_MAGIC:
-            raise Refused(f"{path} is not the advertised tmpfs file (inode {inode})")
-        if info.st_size < size:
-            raise Refused(f"{path} holds {info.st_size} bytes, the region needs {size}")
-    except BaseException:
-        os.close(opened)
-        raise
-    return opened
+        with open(path) as info:
+            flags = next((int(line.split()[1], 8) for line in info if line.startswith("flags:")), None)
+    except (OSError, ValueError, IndexError) as exc:
+        raise Refused(f"cannot read {path}: {exc}") from None
+    if flags is None or flags & os.O_ACCMODE != os.O_RDWR:
+        raise Refused(f"the peer's descriptor {fd} is not open for reading and writing ({path})")
 
 
 def map_memfd(pid: int, fd: int, token: str, size: int) -> mmap.mmap:

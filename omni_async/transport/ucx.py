@@ -351,7 +351,8 @@ class UcxTransport:
         lane.on_stray = partial(self._stray_arrived, link)
         # Acknowledgements come through the ring once there is one: the lane need not spin.
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
-        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None
+        # Not once removed: a draining lane has no rings left, yet nothing to stay hot for.
+        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None and self._links.get(peer.peer_id) is link
         self._offer_ring(link)
         self._offer_keys(link)
 
@@ -635,7 +636,7 @@ class UcxTransport:
             direct.num_blocks >= link.peer.num_blocks  # the runs are bounded by the peer's layout
             or max(run.remote + run.length for run in runs) <= direct.num_blocks
         )
-        # A write with a notice is placed only behind an intent in the peer's ring (see _place_noticed).
+        # A write with a notice is placed only behind an intent in the peer's ring (see _place_announced).
         placed = placed and (notice is None or link.ring_out is not None)
         # Puts: a write without a notice to a peer that offered its keys (tcp, other hosts).
         put = direct is None and notice is None and link.remote_keys is not None
@@ -793,10 +794,13 @@ class UcxTransport:
 
     def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header
-        (a write without a notice: nobody but the sender awaits it)."""
+        (a write without a notice: nobody but the sender awaits it).  If the copy fails nothing
+        is sent, so no answer will come: the request's window share is withdrawn here."""
         if self._copy(link, transfer_id, runs):
             header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
             self._send_header(link, header, partial(self._sent, link, transfer_id))
+        else:
+            _carry_out(link.outbox.withdraw(transfer_id))
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
@@ -834,8 +838,11 @@ class UcxTransport:
 
         A peer process that exited fails the transfer with PeerLost and is dropped (reported
         through ``fault``, like a broken lane); any other failure (no permission) fails this
-        transfer only, with TransferFailed, and later writes go through UCX.  A request queued
-        before such a failure fails too (its window share was counted without payload).
+        transfer only, with TransferFailed, and later writes go through UCX.  A request posted
+        after the lane was closed (a later part of the same write, or one queued for the
+        window) fails the same way.  On False the request's window share is the caller's to
+        free: withdrawn if nothing was sent, answered by the peer if its intent is in the ring
+        (the transfer's ``Abort`` fails the intent).
         """
         direct = link.direct
         if direct is None:
@@ -1255,9 +1262,13 @@ class UcxTransport:
             error = ProtocolError(f"a second intent of write {req.transfer_id} part {req.part} before its commit")
             self._drop(link, error)
             return
+        first = not link.intents
         link.intents[req.transfer_id, req.part] = (answer, refusal)
-        if link.ring_in is not None:
-            link.ring_in.stay_awake(INTENT_WAIT)  # the sender copies now: its commit is near
+        # The sender copies now: its commit is near.  Armed once per pending intent (a peer that
+        # keeps announcing intents it does not commit cannot keep us polling), and not for a
+        # peer in this process (it cannot copy while we poll).
+        if first and link.ring_in is not None and _peer_elsewhere(link):
+            link.ring_in.stay_awake(INTENT_WAIT)
 
     def _on_commit(self, link: PeerLink, commit: Commit) -> None:
         """The rows of an intent are copied: answer it (a commit with no intent: dropped)."""
@@ -1537,8 +1548,14 @@ def _awaits_answer(link: PeerLink) -> bool:
     """Whether an answer from the peer is due and may come while this thread spins: a transfer
     awaits its acknowledgement and the peer runs in another process (one in this process
     cannot answer while we spin: a spin there only delays it)."""
+    return bool(link.sent) and _peer_elsewhere(link)
+
+
+def _peer_elsewhere(link: PeerLink) -> bool:
+    """Whether the peer runs in another process, as far as its ring says (no ring: unknown,
+    False)."""
     ring = link.ring_out
-    return bool(link.sent) and ring is not None and not ring.in_this_process
+    return ring is not None and not ring.in_this_process
 
 
 def _follows_ring(header: DataHeader) -> bool:

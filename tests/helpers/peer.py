@@ -3,7 +3,8 @@
 ``python -m tests.helpers.peer serve REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON``
   starts an agent over the memory-mapped file, prints ``{"address": ...}`` and serves until
   its stdin closes (or it is killed).  Chunk messages it receives are appended to
-  ``REGION_FILE.messages`` as JSON lines.
+  ``REGION_FILE.messages`` as JSON lines (not for a REGION_FILE under ``/proc``: a sealed
+  memfd of the test process, ``/proc/<pid>/fd/<n>``, mapped like any file).
 
 ``python -m tests.helpers.peer write REGION_FILE NUM_BLOCKS BLOCK_LEN CONFIG_JSON ADDRESS [FIRST COUNT [once]]``
   fills its region with random bytes, connects to ADDRESS, prints ``{"connected": peer_id}``
@@ -99,7 +100,7 @@ async def main(argv: list[str]) -> None:
                 "notice": n.data.decode(), "rows": len(n.remote_idxs),
                 "failed": type(n.failed).__name__ if n.failed else None}))
         if role in ("serve", "notices"):
-            log = open(path + ".messages", "a")
+            log = open(os.devnull if path.startswith("/proc/") else path + ".messages", "a")
 
             def sink(peer_id: str, key: str, meta: bytes, frames: list[Any]) -> None:
                 log.write(json.dumps({"peer": peer_id, "key": key, "meta": meta.hex(),
