@@ -416,15 +416,11 @@ async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(m
     assert b.transport.links["a"].intents == {}
 
 
-async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
-    """The copy of an announced write fails (no permission, say): the write fails, an abort
-    clears the receiver's intent (it never waits for a commit that will not come), and later
-    writes go through UCX."""
-    a, b = await pair(make_agent, num_blocks=64, block_len=64 << 10)
-    link = a.transport.links["b"]
+def refuse_copies(link) -> None:
+    """Fault injection around ``link``'s real direct writer: every copy fails with EPERM."""
     direct = link.direct
 
-    class Refusing:  # fault injection around the real writers
+    class Refusing:
         kind, num_blocks, mapped = direct.kind, direct.num_blocks, direct.mapped
 
         def place(self, srcs, runs):
@@ -434,6 +430,15 @@ async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
             direct.close()
 
     link.direct = Refusing()
+
+
+async def test_an_announced_write_whose_copy_fails_leaves_no_intent(make_agent):
+    """The copy of an announced write fails (no permission, say): the write fails, an abort
+    clears the receiver's intent (it never waits for a commit that will not come), and later
+    writes go through UCX."""
+    a, b = await pair(make_agent, num_blocks=64, block_len=64 << 10)
+    link = a.transport.links["b"]
+    refuse_copies(link)
     rows = list(range(32))  # 2 MiB: announced
     with pytest.raises(TransferFailed, match="not permitted"):
         await asyncio.wait_for(a.write_blocks("b", rows, rows), 5)
@@ -457,18 +462,7 @@ async def test_a_split_announced_write_whose_copy_fails_frees_every_window_share
     async with asyncio.timeout(5):
         while not (link.ring_out and b.transport.links["a"].ring_out):
             await asyncio.sleep(0.01)
-    direct = link.direct
-
-    class Refusing:  # fault injection around the real writers
-        kind, num_blocks, mapped = direct.kind, direct.num_blocks, direct.mapped
-
-        def place(self, srcs, runs):
-            raise PermissionError(1, "not permitted")
-
-        def close(self):
-            direct.close()
-
-    link.direct = Refusing()
+    refuse_copies(link)
     rows = list(range(48))  # three announced requests of 16 blocks
     with pytest.raises(TransferFailed, match="not permitted"):
         await asyncio.wait_for(a.write_blocks("b", rows, rows), 5)

@@ -21,8 +21,8 @@ from omni_async.memfd import SIZE_SEALS
 from omni_async.region import Run
 from omni_async.transport.shared import MappedFile, Refused, advertise, open_writer
 
-from .conftest import FAST, fast_config
-from .helpers.kill import assert_lost_in_time
+from .conftest import fast_config
+from .helpers.kill import assert_lost_in_time, writer_killed_then_serve_another
 from .helpers.procfs import fd_targets
 from .test_shared import BLOCK_LEN, NUM_BLOCKS, dev_shm, peer_info
 
@@ -305,19 +305,5 @@ async def test_sender_killed_while_it_writes_our_file_receiver_keeps_serving(own
     await agent.start()
     share = agent.identity.region_share
     assert share is not None and share.inode == os.fstat(share.fd).st_ino
-    writer = await spawn_peer("write", str(tmp_path / "w.memfd"), NUM_BLOCKS, BLOCK_LEN,
-                              {"peer_id": "tx"}, agent.control_address)
-    assert writer.info == {"connected": "rx"}
-    await asyncio.sleep(0.2)  # let it write for a while
-    assert agent.stats()["received.blocks.ok"] > 0
-    writer.kill()
-    killed_at = time.monotonic()
-    while "tx" in agent.peers:
-        assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
-        await asyncio.sleep(0.02)
-    await asyncio.wait_for(writer.proc.wait(), 10)
-    other = await spawn_peer("serve", str(tmp_path / "o.memfd"), NUM_BLOCKS, BLOCK_LEN, {"peer_id": "o"})
-    await asyncio.wait_for(agent.connect(other.info["address"]), 10)
-    agent.region.array[5] = 42
-    await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
+    await writer_killed_then_serve_another(agent, spawn_peer, tmp_path, NUM_BLOCKS, BLOCK_LEN, ".memfd")
     assert dev_shm() <= before

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
 
 from omni_async import Agent, PeerLost
 
@@ -23,3 +25,26 @@ async def assert_lost_in_time(agent: Agent, transfers: list[Awaitable[None]], ki
     assert all(isinstance(r, PeerLost) for r in failures), {type(r) for r in failures}
     assert elapsed < FAST["heartbeat_timeout"] + 2.0
     assert agent.peers == {}
+
+
+async def writer_killed_then_serve_another(
+    agent: Agent, spawn_peer: Any, tmp_path: Path, num_blocks: int, block_len: int, region_suffix: str
+) -> None:
+    """A writer process ("tx") writes into ``agent``'s region for a while and is SIGKILLed:
+    ``agent`` drops it within the heartbeat timeout (+ 2 s), then connects to a new peer ("o",
+    region file ending in ``region_suffix``) and writes one block to it."""
+    writer = await spawn_peer("write", str(tmp_path / "w.memfd"), num_blocks, block_len,
+                              {"peer_id": "tx"}, agent.control_address)
+    assert writer.info == {"connected": agent.peer_id}
+    await asyncio.sleep(0.2)  # let it write for a while
+    assert agent.stats()["received.blocks.ok"] > 0
+    writer.kill()
+    killed_at = time.monotonic()
+    while "tx" in agent.peers:
+        assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(writer.proc.wait(), 10)
+    other = await spawn_peer("serve", str(tmp_path / "o") + region_suffix, num_blocks, block_len, {"peer_id": "o"})
+    await asyncio.wait_for(agent.connect(other.info["address"]), 10)
+    agent.region.array[5] = 42
+    await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
