@@ -388,19 +388,25 @@ async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(
     assert b.transport.links["a"].intents == {}
 
 
+async def split_pair(make_agent):
+    """Agents a → b (64 × 64 KiB) whose writes b splits into requests of 16 blocks, both rings up."""
+    a = await make_agent(64, 64 << 10, peer_id="a")
+    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    async with asyncio.timeout(5):
+        while not (a.transport.links["b"].ring_out and b.transport.links["a"].ring_out):
+            await asyncio.sleep(0.01)
+    return a, b
+
+
 async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(make_agent):
     """A large write split into several requests (the receiver's max_write_blocks): each
     request is its own intent and commit, numbered ``part`` of ``parts``, so no two are ever
     confused (a commit may travel over the lane while the next intent is in the ring)."""
     from omni_async.wire import Commit, WriteRequest, decode_record
 
-    a = await make_agent(64, 64 << 10, peer_id="a")
-    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
-    await asyncio.wait_for(a.connect(b.control_address), 10)
+    a, b = await split_pair(make_agent)
     link = a.transport.links["b"]
-    async with asyncio.timeout(5):
-        while not (link.ring_out and b.transport.links["a"].ring_out):
-            await asyncio.sleep(0.01)
     a.region.array[:] = np.random.default_rng(4).integers(0, 256, a.region.array.shape, dtype=np.uint8)
     records: list[object] = []
     put = link.ring_out.send
@@ -455,13 +461,8 @@ async def test_a_split_announced_write_whose_copy_fails_frees_every_window_share
     """The first part's copy fails (no permission): the write fails and the lane is closed;
     the parts after it, posted but never sent, give their window shares back at once (an
     unanswered share would stall later writes until their deadline)."""
-    a = await make_agent(64, 64 << 10, peer_id="a")
-    b = await make_agent(64, 64 << 10, peer_id="b", max_write_blocks=16)
-    await asyncio.wait_for(a.connect(b.control_address), 10)
+    a, b = await split_pair(make_agent)
     link = a.transport.links["b"]
-    async with asyncio.timeout(5):
-        while not (link.ring_out and b.transport.links["a"].ring_out):
-            await asyncio.sleep(0.01)
     refuse_copies(link)
     rows = list(range(48))  # three announced requests of 16 blocks
     with pytest.raises(TransferFailed, match="not permitted"):

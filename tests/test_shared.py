@@ -5,8 +5,6 @@ import asyncio
 import fcntl
 import os
 import signal
-import threading
-import time
 
 import msgspec
 import numpy as np
@@ -32,7 +30,7 @@ from omni_async.wire import (
 )
 
 from .conftest import fast_config
-from .helpers.kill import assert_lost_in_time, writer_killed_then_serve_another
+from .helpers.kill import assert_lost_in_time, writer_killed_then_serve_another, writes_through_a_kill
 from .helpers.procfs import fd_targets
 
 pytestmark = pytest.mark.timeout(90)
@@ -366,15 +364,7 @@ async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_a
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
 
-    killer = threading.Timer(0.1, peer.proc.kill)  # a thread: it lands while the loop copies
-    killer.start()
-    transfers = []
-    started = time.monotonic()
-    while time.monotonic() - started < 0.4 and "rx" in agent.transport.peer_ids:  # 4 MiB per write
-        transfers.append(agent.write_blocks("rx", everything, everything))
-        await asyncio.sleep(0)
-    killed_at = started + 0.1
-    killer.join()
+    transfers, killed_at = await writes_through_a_kill(agent, "rx", peer.proc.kill, NUM_BLOCKS)
     await assert_lost_in_time(agent, transfers, killed_at)
     await asyncio.wait_for(peer.proc.wait(), 10)
     if kind == "memfd":

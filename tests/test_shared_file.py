@@ -8,8 +8,6 @@ import asyncio
 import fcntl
 import mmap
 import os
-import threading
-import time
 import uuid
 
 import msgspec
@@ -22,7 +20,7 @@ from omni_async.region import Run
 from omni_async.transport.shared import MappedFile, Refused, advertise, open_writer
 
 from .conftest import fast_config
-from .helpers.kill import assert_lost_in_time, writer_killed_then_serve_another
+from .helpers.kill import assert_lost_in_time, writer_killed_then_serve_another, writes_through_a_kill
 from .helpers.procfs import fd_targets
 from .test_shared import BLOCK_LEN, NUM_BLOCKS, dev_shm, peer_info
 
@@ -279,16 +277,8 @@ async def test_writes_land_in_a_peers_file_and_a_killed_receiver_leaks_nothing(m
     assert np.array_equal(memmap(path, NUM_BLOCKS, BLOCK_LEN, mode="r"), expected)
     assert len(held(name)) > len(ours)  # our agent's mapping of the peer's file
 
-    everything = list(range(NUM_BLOCKS))
-    killer = threading.Timer(0.1, peer.proc.kill)  # a thread: it lands while the loop copies
-    killer.start()
-    transfers = []
-    started = time.monotonic()
-    while time.monotonic() - started < 0.4 and "rx" in agent.transport.peer_ids:  # 4 MiB per write
-        transfers.append(agent.write_blocks("rx", everything, everything))
-        await asyncio.sleep(0)
-    killer.join()
-    await assert_lost_in_time(agent, transfers, started + 0.1)
+    transfers, killed_at = await writes_through_a_kill(agent, "rx", peer.proc.kill, NUM_BLOCKS)
+    await assert_lost_in_time(agent, transfers, killed_at)
     await asyncio.wait_for(peer.proc.wait(), 10)
     assert held(name) == ours
     assert dev_shm() <= before

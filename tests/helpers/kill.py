@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -48,3 +49,19 @@ async def writer_killed_then_serve_another(
     await asyncio.wait_for(agent.connect(other.info["address"]), 10)
     agent.region.array[5] = 42
     await asyncio.wait_for(agent.write_blocks("o", [5], [6]), 10)
+
+
+async def writes_through_a_kill(agent: Agent, peer_id: str, kill: Any, blocks: int) -> tuple[list[Awaitable[None]], float]:
+    """Start ``blocks``-block writes to ``peer_id`` back to back for up to 0.4 s while a thread
+    calls ``kill()`` 0.1 s in (it lands while the loop copies); return the writes and the
+    kill's ``time.monotonic()``."""
+    everything = list(range(blocks))
+    killer = threading.Timer(0.1, kill)
+    killer.start()
+    transfers: list[Awaitable[None]] = []
+    started = time.monotonic()
+    while time.monotonic() - started < 0.4 and peer_id in agent.transport.peer_ids:
+        transfers.append(agent.write_blocks(peer_id, everything, everything))
+        await asyncio.sleep(0)
+    killer.join()
+    return transfers, started + 0.1
