@@ -5,12 +5,13 @@ import asyncio
 import fcntl
 import os
 import signal
+import time
 
 import msgspec
 import numpy as np
 import pytest
 
-from omni_async import Agent, BlockRegion, InvalidBlocks, ProtocolError
+from omni_async import Agent, BlockRegion, InvalidBlocks, PeerLost, ProtocolError
 from omni_async.handshake import PeerInfo
 from omni_async.memfd import NAME_PREFIX, SharedSegment
 from omni_async.region import Run
@@ -389,3 +390,34 @@ async def test_sender_killed_mid_write_receiver_keeps_serving(owned, spawn_peer,
     await writer_killed_then_serve_another(agent, spawn_peer, tmp_path, NUM_BLOCKS, BLOCK_LEN, KINDS[kind])
     assert dev_shm() <= before
 
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``"Z"``: a zombie), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+async def test_a_write_that_finds_the_peer_gone_fails_only_after_the_peer_left(make_agent, spawn_peer, tmp_path):
+    """A write into a SIGKILLed peer's memory (process_vm_writev: ESRCH) fails with PeerLost, and
+    whoever is told so finds the peer already gone (its leave came first): a facade polling it
+    must not still see the peer as connected."""
+    kind = "process_vm_writev"
+    peer = await spawn_peer("serve", str(tmp_path / "region") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    assert agent.transport.direct_kind("rx") == kind
+    peer.proc.kill()
+    deadline = time.monotonic() + 10
+    while process_state(peer.proc.pid) not in ("Z", None):  # a zombie, or reaped already
+        assert time.monotonic() < deadline
+        time.sleep(0.001)  # no await: the loop must not notice the death before the write does
+    seen: list[bool] = []
+    transfer = agent.write_blocks("rx", [1], [2])
+    transfer.add_done_callback(lambda _t: seen.append("rx" in agent.peers))
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(transfer, 10)
+    assert seen == [False]

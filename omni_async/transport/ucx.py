@@ -853,9 +853,7 @@ class UcxTransport:
         except OSError as exc:
             self._drop_direct(link)
             if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
-                lost = PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}")
-                self._settle(link, transfer_id, lost)
-                self._drop(link, lost)
+                self._lose(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}"))
             else:
                 log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
                 self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
@@ -1014,9 +1012,14 @@ class UcxTransport:
         """A payload or header send completed; a failed one means the lane to the peer broke."""
         if error is None or self._links.get(link.peer.peer_id) is not link:
             return
-        lost = PeerLost(f"data plane to {link.peer.peer_id!r} broke: {error}")
-        self._settle(link, transfer_id, lost)
+        self._lose(link, transfer_id, PeerLost(f"data plane to {link.peer.peer_id!r} broke: {error}"))
+
+    def _lose(self, link: PeerLink, transfer_id: int, lost: PeerLost) -> None:
+        """The peer of ``link`` is gone (seen by a write to it): drop it first, so that its leave
+        event comes before any failure it causes (a caller told a write failed with
+        ``PeerLost`` finds the peer gone), then fail the write if the drop did not."""
         self._drop(link, lost)
+        self._settle(link, transfer_id, lost)
 
     def _deadlines_due(self, link: PeerLink) -> None:
         """The link's deadline timer went off: arm it for the next deadline, expire what is due."""
