@@ -378,8 +378,8 @@ def test_iov_of_runs_names_the_rows_of_each_run_in_every_array_in_payload_order(
     rng = np.random.default_rng(5)
     local = [int(i) for i in rng.choice(60, 30, replace=False)] + [60, 61, 62, 63]
     runs = plan_runs(local, list(range(34)), 64, 64)
-    assert any(run.length > 1 for run in runs) and any(run.length == 1 for run in runs)
-    rows = [array[run.local : run.local + run.length].reshape(-1) for run in runs for array in arrays]
+    assert any(run[2] > 1 for run in runs) and any(run[2] == 1 for run in runs)
+    rows = [array[local : local + length].reshape(-1) for local, _remote, length in runs for array in arrays]
     assert np.array_equal(iov.iov_of_runs(arrays, runs), iov.iov_of(rows))
     assert iov.iov_of_runs(arrays, runs).dtype == np.uint64
 

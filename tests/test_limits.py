@@ -5,18 +5,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni_async import InvalidMessage
-from omni_async.region import Run
 from omni_async.transport.limits import check_message, split_runs
 from omni_async.wire import MAX_FRAMES, MAX_KEY, MAX_META_BYTES, RUNS_PER_REQUEST, WriteRequest, validate_write
 
 runs_st = st.lists(
-    st.tuples(st.integers(0, 10_000), st.integers(0, 10_000), st.integers(1, 50)).map(lambda t: Run(*t)),
+    st.tuples(st.integers(0, 10_000), st.integers(0, 10_000), st.integers(1, 50)),
     max_size=60,
 )
 
 
 def blocks_of(runs):
-    return [(run.local + i, run.remote + i) for run in runs for i in range(run.length)]
+    return [(local + i, remote + i) for local, remote, length in runs for i in range(length)]
 
 
 @given(runs_st, st.integers(1, 40), st.integers(1, 8))
@@ -25,14 +24,14 @@ def test_split_keeps_every_block_in_order_within_limits(runs, max_blocks, max_ru
     assert blocks_of([run for request in requests for run in request]) == blocks_of(runs)
     for request in requests:
         assert 1 <= len(request) <= max_runs
-        assert sum(run.length for run in request) <= max_blocks
+        assert sum(length for _local, _remote, length in request) <= max_blocks
         # the receiver's own check accepts every request
-        header = WriteRequest(1, 0, [(run.remote, run.length) for run in request])
-        assert validate_write(header, 20_000, max_blocks) == sum(run.length for run in request)
+        header = WriteRequest(1, 0, [(remote, length) for _local, remote, length in request])
+        assert validate_write(header, 20_000, max_blocks) == sum(length for _local, _remote, length in request)
 
 
 def test_split_defaults_to_the_wire_limit():
-    runs = [Run(2 * i, 2 * i, 1) for i in range(10_000)]
+    runs = [(2 * i, 2 * i, 1) for i in range(10_000)]
     requests = split_runs(runs, 1 << 20)
     assert [len(r) for r in requests] == [RUNS_PER_REQUEST] * 3 + [10_000 - 3 * RUNS_PER_REQUEST]
     with pytest.raises(ValueError):

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni_async import BlockRegion, ConfigError, InvalidBlocks, config_fingerprint
-from omni_async.region import Run, fingerprints_compatible, plan_runs
+from omni_async.region import VECTOR_MIN, fingerprints_compatible, plan_runs
 
 
 def seed_fingerprint(fields):
@@ -83,10 +83,10 @@ def test_allocate_rejects(num_blocks, block_len):
 
 
 def test_plan_runs_coalesces_both_sides():
-    assert plan_runs([0, 1, 2, 7, 8], [10, 11, 12, 3, 4], 16, 16) == [Run(0, 10, 3), Run(7, 3, 2)]
-    assert plan_runs([0, 1], [5, 7], 16, 16) == [Run(0, 5, 1), Run(1, 7, 1)]
+    assert plan_runs([0, 1, 2, 7, 8], [10, 11, 12, 3, 4], 16, 16) == [(0, 10, 3), (7, 3, 2)]
+    assert plan_runs([0, 1], [5, 7], 16, 16) == [(0, 5, 1), (1, 7, 1)]
     assert plan_runs([], [], 1, 1) == []
-    assert plan_runs(np.array([3, 4]), np.array([0, 1]), 5, 5) == [Run(3, 0, 2)]
+    assert plan_runs(np.array([3, 4]), np.array([0, 1]), 5, 5) == [(3, 0, 2)]
 
 
 @pytest.mark.parametrize(
@@ -103,5 +103,50 @@ def test_plan_runs_covers_exactly(pairs):
     local = [p[0] for p in pairs]
     remote = [p[1] for p in pairs]
     runs = plan_runs(local, remote, 64, 32)
-    expanded = [(r.local + i, r.remote + i) for r in runs for i in range(r.length)]
+    expanded = [(local + i, remote + i) for local, remote, length in runs for i in range(length)]
     assert expanded == pairs
+
+
+def _runs_by_loop(local, remote):
+    """The plan as the definition says it: pairs that continue the run before join it."""
+    runs = []
+    for li, ri in zip(local, remote, strict=True):
+        if runs and li == runs[-1][0] + runs[-1][2] and ri == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((li, ri, 1))
+    return runs
+
+
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 500), st.integers(1, 9)), min_size=1, max_size=60))
+def test_long_plans_coalesce_as_short_ones(segments):
+    """Lists of VECTOR_MIN pairs or more are planned with numpy: the same runs, in order."""
+    local = [start + i for start, _, length in segments for i in range(length)]
+    remote = [start + i for _, start, length in segments for i in range(length)]
+    assert plan_runs(local, remote, 512, 512) == _runs_by_loop(local, remote)
+
+
+def test_long_scattered_plan_is_one_run_per_pair():
+    rng = np.random.default_rng(7)
+    local = rng.choice(1024, 256, replace=False).tolist()
+    remote = rng.choice(1024, 256, replace=False).tolist()
+    assert plan_runs(local, remote, 1024, 1024) == _runs_by_loop(local, remote)
+    assert plan_runs(list(range(VECTOR_MIN)), list(range(5, VECTOR_MIN + 5)), 128, 128) == [(0, 5, VECTOR_MIN)]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [True, 1.0, "1", np.int64(3), -1, 200, 2**70],
+    ids=["bool", "float", "str", "numpy-int", "negative", "out-of-range", "over-int64"],
+)
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_long_plans_check_every_index(bad, side):
+    """One bad index anywhere in a long list is refused as in a short one (a numpy integer in
+    range is accepted), whichever path plans it."""
+    local, remote = list(range(VECTOR_MIN * 2)), list(range(VECTOR_MIN * 2))
+    (local if side == "local" else remote)[VECTOR_MIN + 3] = bad
+    if isinstance(bad, np.integer):
+        assert plan_runs(local, remote, 200, 200)[0] == (0, 0, VECTOR_MIN + 3)
+        return
+    with pytest.raises(InvalidBlocks):
+        plan_runs(local, remote, 200, 200)

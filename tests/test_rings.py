@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from omni_async.errors import PeerLost, TransferFailed
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
+from omni_async.transport.turns import SpinGate
 from omni_async.wire import HEADER_TAG, Ack, Goodbye, MessageHeader, encode_header, encode_record
 
 from .conftest import FAST
@@ -185,6 +186,7 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert got == [("k", b"meta", [bytes(f) for f in frames])]
     assert tags_a == [] and tags_b == []  # neither the header, nor the acks went over UCX
     assert b.transport.links["a"].ring_in.wakeups > 0
+    assert b.transport.links["a"].ring_in.linger == 0  # a peer in this process cannot write while we poll
 
 
 async def test_acks_of_one_ring_batch_travel_together(make_agent):
@@ -663,6 +665,72 @@ async def test_a_receiver_that_loses_its_core_while_staying_awake_sleeps_and_is_
         receiver.close()
 
 
+async def _until(predicate) -> None:
+    async with asyncio.timeout(5):
+        while not predicate():
+            await asyncio.sleep(0)
+
+
+async def test_a_lingering_receiver_takes_the_next_record_without_a_wake_up_then_sleeps():
+    """After the peer's record the receiver polls for ``linger`` seconds (turn after turn): the
+    next record of a stream, from another thread, is taken with no pipe wake-up.  Once a
+    window passes with nothing, it sleeps: no turns while idle."""
+    got: list[bytes] = []
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    receiver.lost_core = float("inf")  # a loaded host may take its core away mid-spin: not here
+    receiver.linger = 0.5
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        await asyncio.sleep(0.02)
+        assert sender.send(samehost.KIND_HEADER, [b"first"])  # asleep: this one wakes it
+        await _until(lambda: got)
+        wakeups = receiver.wakeups
+        def later() -> None:  # well after one turn's spin (SPIN), well within the window
+            time.sleep(0.01)
+            sender.send(samehost.KIND_HEADER, [b"next"])
+
+        await asyncio.to_thread(later)
+        await _until(lambda: len(got) == 2)
+        assert receiver.wakeups == wakeups  # taken while lingering
+        await asyncio.sleep(0.7)  # the window runs out
+        turns = receiver.turns
+        await asyncio.sleep(0.1)
+        assert receiver.turns == turns  # asleep
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_lingering_stops_once_it_no_longer_pays_and_is_off_by_default():
+    """After ``SpinGate.MISSES`` windows in which no record came, a record opens no window (the
+    receiver sleeps right after it); with ``linger`` 0 (the default: a peer in this process)
+    it never polls after a record."""
+    got: list[bytes] = []
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    receiver.lost_core = float("inf")
+    sender = samehost.RingSender(receiver.offer())
+
+    async def turns_after_a_record() -> int:
+        await asyncio.sleep(0.01)
+        turns = receiver.turns
+        assert sender.send(samehost.KIND_HEADER, [b"r"])
+        await _until(lambda: receiver.turns > turns)
+        await asyncio.sleep(0.1)
+        return receiver.turns - turns
+
+    try:
+        assert await turns_after_a_record() <= 3  # linger 0: take it, one look, sleep
+        receiver.linger = 0.03
+        polled = [await turns_after_a_record() for _ in range(SpinGate.MISSES + 1)]
+        assert all(turns > 5 for turns in polled[: SpinGate.MISSES]), polled  # a window each
+        assert polled[SpinGate.MISSES] <= 3, polled  # none pays: no window
+    finally:
+        sender.close()
+        receiver.close()
+
+
 # -- two processes, kill -9 of either side ----------------------------------------------------------
 async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path):
     before = dev_shm()
@@ -710,6 +778,7 @@ async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn
         while len(received) < 200:
             await asyncio.sleep(0.01)
     assert link.ring_in is not None and link.ring_in.wakeups > 0
+    assert link.ring_in.linger == samehost.LINGER  # a peer in another process: poll for its next record
     mine = link.ring_in.offer().token
     pipe = os.readlink(f"/proc/self/fd/{link.ring_in.fds[1]}")
     sender.kill()

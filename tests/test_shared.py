@@ -14,7 +14,6 @@ import pytest
 from omni_async import Agent, BlockRegion, InvalidBlocks, PeerLost, ProtocolError
 from omni_async.handshake import PeerInfo
 from omni_async.memfd import NAME_PREFIX, SharedSegment
-from omni_async.region import Run
 from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
 from omni_async.transport.vmwrite import VmWriter
 from omni_async.wire import (
@@ -97,7 +96,7 @@ def test_mapping_our_own_segment_writes_the_same_memory():
     fds = len(open_fds_to(region.segment.token))
     writer = MappedRegion(share_of(region.segment), 4, 4096)
     src = np.arange(4 * 4096, dtype=np.uint64).astype(np.uint8).reshape(4, 4096)
-    writer.place(src, [Run(0, 2, 2)])
+    writer.place(src, [(0, 2, 2)])
     assert np.array_equal(region.array[2:4], src[0:2]) and not region.array[:2].any()
     assert len(mapped(region.segment.token)) == 2  # ours and the writer's
     writer.close()
@@ -157,7 +156,7 @@ def test_open_writer_only_for_peers_on_this_host_that_offer_it():
     assert offer.fd == -1 and offer.proof_addr
     vm = open_writer(peer_info(offer, base_addr=wrapped.base_addr), "h")
     assert vm is not None and vm.kind == "process_vm_writev"
-    vm.place(np.full((4, 4096), 3, np.uint8), [Run(1, 2, 1)])
+    vm.place(np.full((4, 4096), 3, np.uint8), [(1, 2, 1)])
     assert (wrapped.array[2] == 3).all() and not wrapped.array[[0, 1, 3]].any()
     vm.close()
     vm.close()
@@ -220,7 +219,7 @@ def test_vm_writer_to_an_exited_process_raises_esrch_and_this_process_lives():
     child.kill()
     child.wait()
     with pytest.raises(ProcessLookupError):
-        writer.place(np.zeros((1, 8), np.uint8), [Run(0, 0, 1)])
+        writer.place(np.zeros((1, 8), np.uint8), [(0, 0, 1)])
     writer.close()
     writer.close()
 

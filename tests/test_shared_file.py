@@ -16,7 +16,6 @@ import pytest
 
 from omni_async import Agent, BlockRegion
 from omni_async.memfd import SIZE_SEALS
-from omni_async.region import Run
 from omni_async.transport.shared import MappedFile, Refused, advertise, open_writer
 
 from .conftest import fast_config
@@ -101,7 +100,7 @@ def test_a_wrapped_sealed_tmpfs_mapping_is_offered_and_mapped_by_inode(memfd_pat
     writer = open_writer(peer_info(offer), "h")
     assert writer is not None and writer.kind == "file"
     src = np.arange(4 * 4096, dtype=np.uint64).astype(np.uint8).reshape(4, 4096)
-    writer.place(src, [Run(0, 2, 2)])
+    writer.place(src, [(0, 2, 2)])
     assert np.array_equal(rows[2:4], src[0:2]) and not rows[:2].any()
     assert not memmap(path, 3, 4096).any()  # nothing before the region
     writer.close()
@@ -114,7 +113,7 @@ def test_a_wrapped_sealed_tmpfs_mapping_is_offered_and_mapped_by_inode(memfd_pat
     assert odd_offer is not None and odd_offer.offset == 100
     writer = open_writer(peer_info(odd_offer), "h")
     assert writer is not None and writer.kind == "file"
-    writer.place(src, [Run(1, 0, 1)])
+    writer.place(src, [(1, 0, 1)])
     assert np.array_equal(odd[0], src[1])
     writer.close()
 
@@ -128,7 +127,7 @@ def test_a_wrapped_sealed_tmpfs_mapping_is_offered_and_mapped_by_inode(memfd_pat
         assert offer is not None and offer.inode > 0
         writer = open_writer(peer_info(offer), "h")
         assert writer is not None and writer.kind == "file"
-        writer.place(src, [Run(3, 0, 1)])
+        writer.place(src, [(3, 0, 1)])
         assert np.array_equal(view[0], src[3])
         writer.close()
 
@@ -249,7 +248,7 @@ def test_a_file_that_could_shrink_is_neither_offered_nor_mapped(memfd_path, shm_
     assert writer is not None and writer.kind == "file"
     with pytest.raises(PermissionError):
         os.truncate(sealed, 4096)  # its owner cannot shrink it under our mapping
-    writer.place(np.ones((4, 4096), np.uint8), [Run(0, 3, 1)])
+    writer.place(np.ones((4, 4096), np.uint8), [(0, 3, 1)])
     assert memmap(sealed, mode="r")[3].all()
     writer.close()
 

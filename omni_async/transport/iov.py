@@ -154,7 +154,7 @@ def iov_of(buffers: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
 
 
 def iov_of_runs(arrays: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run]) -> npt.NDArray[np.uint64]:
-    """The ``ucp_dt_iov_t`` array of the rows ``[run.local, run.local + run.length)`` of each
+    """The ``ucp_dt_iov_t`` array of the rows ``[local, local + length)`` of each run
     2-D C-contiguous byte array, run by run and, within a run, array by array (the order of a
     write's gathered payload): computed from each array's address and row length, with no
     view per row (256 one-block runs: ~30 µs, :func:`iov_of` of their rows ~200 µs)."""

@@ -82,7 +82,7 @@ def split_runs(
     if max_blocks < 1 or max_runs < 1:
         raise ValueError(f"limits must be positive, got max_blocks={max_blocks} max_runs={max_runs}")
     if blocks is None:
-        blocks = sum(run.length for run in runs)
+        blocks = sum(run[2] for run in runs)
     if len(runs) <= max_runs and blocks <= max_blocks:
         return [list(runs)] if runs else []  # the common case: one request, no run cut
     requests: list[list[Run]] = []
@@ -95,7 +95,7 @@ def split_runs(
                 requests.append(batch)
                 batch, blocks = [], 0
             take = min(length, max_blocks - blocks)
-            batch.append(Run(local, remote, take))
+            batch.append((local, remote, take))
             blocks += take
             local, remote, length = local + take, remote + take, length - take
     if batch:

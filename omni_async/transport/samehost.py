@@ -14,13 +14,16 @@ Wake-up rule: the receiver runs in turns, from the pipe's ``loop.add_reader`` ca
 soon after this side sent a request (:meth:`RingReceiver.kick`).  A turn takes the records
 published so far (one batch) and, if there were some, comes back after the callbacks they
 woke; a turn that finds none spins on the ring's head for at most ``SPIN`` seconds if an
-answer is expected (a transfer awaits its acknowledgement: always) or records came in the
-last turn (speculative: only while such spins pay), then marks itself asleep (odd epoch) and
-sleeps; while the owner expects a record soon (the commit of a write the peer copies now:
-:meth:`RingReceiver.stay_awake`, bounded) a turn spins and comes back instead of sleeping.  A
-sender writes one byte into the pipe after a record only when the receiver sleeps, once per
-sleep.  An idle pair costs nothing:
-one fruitless spin after the last record, then both sides sleep.
+answer is expected (a transfer awaits its acknowledgement: always), then marks itself asleep
+(odd epoch) and sleeps.  Two bounded exceptions keep it polling, a ``SPIN`` per turn with the
+loop's other callbacks in between, instead of sleeping: while the owner expects a record
+soon (the commit of a write the peer copies now: :meth:`RingReceiver.stay_awake`), and for
+``LINGER`` seconds after the peer's last record when the peer runs in another process (the
+next record of a stream comes after the peer's Python between two, typically within it;
+gated, :class:`~.turns.SpinGate`: after a few windows in which nothing came, only an
+occasional one).  A spin during which another process had the core ends either.  A sender
+writes one byte into the pipe after a record only when the receiver sleeps, once per sleep.
+An idle pair costs nothing: at most one window after the last record, then both sides sleep.
 
 Failure rules: a killed receiver leaves its ring mapped here (our mapping keeps the pages; a
 wake-up write fails with EPIPE and the sender falls back to UCX); a killed sender just stops
@@ -54,7 +57,13 @@ KIND_HEADER: Final = 1
 KIND_MESSAGE: Final = 2
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
 SPIN: Final = 50e-6
-"""Seconds a receiver that expects an answer polls its ring before sleeping."""
+"""Seconds a receiver that expects an answer polls its ring before sleeping (and the most one
+turn polls: others' callbacks run between two)."""
+LINGER: Final = 200e-6
+"""Seconds a receiver keeps polling, over several turns, after the peer's last record: the
+Python a peer runs between two records of a stream (a chunk's save, a block write's planning)
+takes 50-150 µs here; catching its next record spares it a wake-up (15-80 µs of its time)
+and us one.  Gated: after a few windows in which nothing came, only an occasional one."""
 LOST_CORE: Final = 4 * SPIN
 """A spin of ``SPIN`` that took longer than this lost the core to another process meanwhile."""
 _BATCH: Final = 256
@@ -95,9 +104,13 @@ class RingReceiver:
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
         self._next_turn = NextTurn(loop)
-        self._active = False
         self._awake_until = 0.0
+        self._linger_until = 0.0
         self._spin_gate = SpinGate()
+        self.linger = 0.0
+        """Seconds to keep polling after the peer's last record, for its next one (0: not at
+        all).  Set it only for a peer in another process: one in this process cannot write
+        while we poll."""
         self._delivering = False
         self.turns = 0
         """Turns run so far (for idle-CPU tests)."""
@@ -150,9 +163,10 @@ class RingReceiver:
 
     def run(self) -> None:
         """One turn: deliver the records published so far (at most a batch), then come back
-        after the callbacks they woke; with none, spin (at most ``SPIN``) if an answer is
-        expected or records came in the last turn, else sleep; while told to stay awake
-        (:meth:`stay_awake`), spin and come back."""
+        after the callbacks they woke.  With none: while told to stay awake
+        (:meth:`stay_awake`) or lingering after the peer's last record (:attr:`linger`,
+        gated), spin (at most ``SPIN``) and come back; else spin once if an answer is
+        expected, and sleep."""
         if self._closed:
             return
         self.turns += 1
@@ -160,24 +174,22 @@ class RingReceiver:
         consumer.awake()
         try:
             delivered = self._take_batch()
-            awake = not delivered and time.perf_counter() < self._awake_until
+            polling = False
             if not delivered and not self._closed:
-                if awake:  # not counted by the gate: the commit's time is the copy's, not the peer's pace
-                    started = time.perf_counter()
-                    hit = spin(consumer.ready, SPIN)
-                    if not hit and time.perf_counter() - started > self.lost_core:
-                        # Another process had this core meanwhile: polling costs it more than a
-                        # wake-up (which also lets the scheduler run us at once): sleep.
+                started = time.perf_counter()
+                polling = started < self._awake_until or started < self._linger_until
+                if polling or self._expects():
+                    if spin(consumer.ready, SPIN):
+                        delivered = self._take_batch()
+                    elif polling and time.perf_counter() - started > self.lost_core:
+                        # Another process had this core meanwhile: polling costs it more than
+                        # a wake-up (which also lets the scheduler run us at once): sleep.
                         self._awake_until = 0.0
-                        awake = False
-                else:
-                    hit = self._may_spin() and self._spin_gate.spin(consumer.ready, SPIN)
-                if hit:
-                    delivered = self._take_batch()
+                        polling = False
             if self._closed:
                 return
-            self._active = delivered > 0
-            if delivered or awake:
+            self._account_linger(delivered > 0, polling)
+            if delivered or polling:
                 self.kick()
             elif consumer.sleep():  # a record came just before it slept
                 consumer.awake()
@@ -185,6 +197,18 @@ class RingReceiver:
         except ProtocolError as exc:
             self.close()
             self._fault(exc)
+
+    def _account_linger(self, delivered: bool, polling: bool) -> None:
+        """Open a linger window after records came (while lingering pays, see
+        :class:`~.turns.SpinGate`); a record within it counts as a hit, a window that ran out
+        (or in which we lost the core) as a miss."""
+        if delivered:
+            if self._linger_until:
+                self._spin_gate.record(True)
+            self._linger_until = time.perf_counter() + self.linger if self.linger and self._spin_gate.may() else 0.0
+        elif self._linger_until and (not polling or time.perf_counter() >= self._linger_until):
+            self._spin_gate.record(False)
+            self._linger_until = 0.0
 
     def drain(self) -> None:
         """Deliver every record published so far, now (before acting on something that came
@@ -227,16 +251,13 @@ class RingReceiver:
         consumer.commit()
         return delivered
 
-    def _may_spin(self) -> bool:
-        """Spin while an answer is expected (the peer works for us: its answer is near), or,
-        speculatively, when the peer just sent something, but that only while it pays (after
-        a few fruitless spins, see :class:`~.turns.SpinGate`)."""
+    def _expects(self) -> bool:
+        """Whether an answer is expected (the peer works for us: its answer is near)."""
         try:
-            if self._expecting():
-                return True
+            return self._expecting()
         except Exception:
             log.exception("a ring's expecting callback failed")
-        return self._active and self._spin_gate.may()
+            return False
 
     def close(self) -> None:
         """Stop reading, close the pipe and the memfd (the peer's mapping stays valid until it

@@ -102,7 +102,7 @@ from .pool import ReceivePool
 from .protocol import Deadlines, Drain, GiveUp, Inbox, Outbox
 from .ring import RingError
 from .rma import Registration
-from .samehost import KIND_HEADER, KIND_MESSAGE, RingReceiver, RingSender
+from .samehost import KIND_HEADER, KIND_MESSAGE, LINGER, RingReceiver, RingSender
 from .shared import Refused, Writers, open_writers
 from .transfer import CancelMode, Transfer
 from .vetting import NotVetted, shared_vetter
@@ -215,8 +215,9 @@ class PeerLink:
     held: deque[tuple[int, bool, Callable[[], None]]] = field(default_factory=deque)
     """Requests with a notice waiting, in order, for ``lane_noticed`` to empty."""
     intents: dict[tuple[int, int], tuple[Completion, OmniAsyncError | None]] = field(default_factory=dict)
-    """The peer's intents (placed requests with a notice) by ``(transfer, part)``, awaiting
-    their :class:`~omni_async.wire.Commit`: what answers each, and the refusal if invalid."""
+    """The peer's intents (placed requests with a notice, or large ones) by ``(transfer,
+    part)``, awaiting their :class:`~omni_async.wire.Commit`: what answers each, and the
+    refusal if invalid."""
     notices: NoticeBook[Callable[[], None]] = field(init=False)
     """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
     ring_in: RingReceiver | None = None
@@ -383,6 +384,9 @@ class UcxTransport:
             link.ring_out = RingSender(offer)
         except (Refused, OSError, ValueError) as exc:
             log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
+            return
+        if not link.ring_out.in_this_process:  # its next record may come while we poll
+            link.ring_in.linger = LINGER
 
     def _offer_keys(self, link: PeerLink) -> None:
         """Offer a peer without a same-host lane puts into our regions (mapped on first use)."""
@@ -634,7 +638,7 @@ class UcxTransport:
         direct = link.direct
         placed = direct is not None and (
             direct.num_blocks >= link.peer.num_blocks  # the runs are bounded by the peer's layout
-            or max(run.remote + run.length for run in runs) <= direct.num_blocks
+            or max(remote + length for _local, remote, length in runs) <= direct.num_blocks
         )
         # A write with a notice is placed only behind an intent in the peer's ring (see _place_announced).
         placed = placed and (notice is None or link.ring_out is not None)
@@ -673,7 +677,7 @@ class UcxTransport:
                 else:
                     requests.append((0, 0, partial(self._place, link, transfer.id, request)))
                 continue
-            nbytes = sum(run.length for run in request) * block_bytes
+            nbytes = sum(run[2] for run in request) * block_bytes
             messages = len(request) * layers
             # One eager message (up to a 64 KiB block) goes faster as a tag: puts need a flush,
             # one more round trip (measured, docs/tuning.md).
@@ -713,7 +717,7 @@ class UcxTransport:
         if not runs:
             self._settle(link, transfer.id, None)
             return transfer
-        if direct is not None and direct.mapped and max(run.remote + run.length for run in runs) <= direct.num_blocks:
+        if direct is not None and direct.mapped and max(r + n for _l, r, n in runs) <= direct.num_blocks:
             try:
                 direct.fetch(self._arrays, runs)
             except OSError as exc:  # unmapped meanwhile: cannot happen on the loop, but say why
@@ -723,7 +727,7 @@ class UcxTransport:
             return transfer
         requests: list[tuple[int, int, Callable[[], None]]] = []
         for first in range(0, len(runs), READ_RUNS_PER_REQUEST):
-            pairs = [(run.remote, run.local, run.length) for run in runs[first : first + READ_RUNS_PER_REQUEST]]
+            pairs = [(remote, local, length) for local, remote, length in runs[first : first + READ_RUNS_PER_REQUEST]]
             header = encode_header(ReadRequest(transfer.id, pairs))
             requests.append((0, 0, partial(link.lane.send, header, HEADER_TAG, partial(self._sent, link, transfer.id))))
         _carry_out(link.outbox.submit(transfer.id, requests))
@@ -740,12 +744,12 @@ class UcxTransport:
             log.warning("refused read %d from %s: reads are not allowed", req.transfer_id, link.peer.peer_id)
             refuse(ReadsNotAllowed("this peer does not allow reads of its region"))
             return
-        runs = [Run(src, dst, count) for src, dst, count in req.runs]
+        runs: list[Run] = [(src, dst, count) for src, dst, count in req.runs]
         for src, dst, count in runs:
             if src + count > self.region.num_blocks or dst + count > link.peer.num_blocks:
                 refuse(InvalidBlocks(f"read of {count} blocks from {src} into {dst} leaves a region"))
                 return
-        blocks = sum(run.length for run in runs)
+        blocks = sum(run[2] for run in runs)
         write = self._write_runs(link, runs, blocks, None)
         answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_bytes)
         write.add_done_callback(lambda done: answer(done.error()))
@@ -777,12 +781,12 @@ class UcxTransport:
         peer = link.peer
         bases = (peer.base_addr, *(layer.base_addr for layer in peer.layers))
         lens = self.regions.block_lens
-        rows = self._rows([(run.local, run.length) for run in runs])
+        rows = self._rows([(local, length) for local, _remote, length in runs])
         puts: list[tuple[int, int, int, int]] = []
         layers = len(lens)
         for i, row in enumerate(rows):
-            run, layer = runs[i // layers], i % layers
-            puts.append((address_of(row), row.nbytes, bases[layer] + run.remote * lens[layer], keys[layer]))
+            remote, layer = runs[i // layers][1], i % layers
+            puts.append((address_of(row), row.nbytes, bases[layer] + remote * lens[layer], keys[layer]))
         link.lane.put(puts, rows, partial(self._flushed, link, transfer_id, runs))
 
     def _flushed(self, link: PeerLink, transfer_id: int, runs: list[Run], error: BaseException | None) -> None:
@@ -1544,7 +1548,7 @@ def _write_request(
 
 def _request_blocks(request: list[Run], blocks: int, requests: int) -> int:
     """Blocks of one request of a write of ``blocks`` split into ``requests``."""
-    return blocks if requests == 1 else sum(run.length for run in request)
+    return blocks if requests == 1 else sum(run[2] for run in request)
 
 
 def _awaits_answer(link: PeerLink) -> bool:
