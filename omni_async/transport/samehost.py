@@ -200,12 +200,15 @@ class RingReceiver:
 
     def _account_linger(self, delivered: bool, polling: bool) -> None:
         """Open a linger window after records came (while lingering pays, see
-        :class:`~.turns.SpinGate`); a record within it counts as a hit, a window that ran out
-        (or in which we lost the core) as a miss."""
+        :class:`~.turns.SpinGate`; not while told to stay awake, which polls anyway and may
+        outlast a window: a large write's copy); a record within it counts as a hit, a window
+        that ran out (or in which we lost the core) as a miss."""
         if delivered:
             if self._linger_until:
                 self._spin_gate.record(True)
-            self._linger_until = time.perf_counter() + self.linger if self.linger and self._spin_gate.may() else 0.0
+            now = time.perf_counter()
+            linger = self.linger and now >= self._awake_until and self._spin_gate.may()
+            self._linger_until = now + self.linger if linger else 0.0
         elif self._linger_until and (not polling or time.perf_counter() >= self._linger_until):
             self._spin_gate.record(False)
             self._linger_until = 0.0
