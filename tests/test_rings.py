@@ -704,8 +704,8 @@ async def test_a_lingering_receiver_takes_the_next_record_without_a_wake_up_then
 
 async def test_lingering_stops_once_it_no_longer_pays_and_is_off_by_default():
     """After ``SpinGate.MISSES`` windows in which no record came, a record opens no window (the
-    receiver sleeps right after it); with ``linger`` 0 (the default: a peer in this process)
-    it never polls after a record."""
+    receiver sleeps right after it) but every ``LINGER_RETRY``-th; with ``linger`` 0 (the
+    default: a peer in this process) it never polls after a record."""
     got: list[bytes] = []
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
                                      lambda exc: None, lambda: False, capacity=1 << 16)
@@ -726,6 +726,8 @@ async def test_lingering_stops_once_it_no_longer_pays_and_is_off_by_default():
         polled = [await turns_after_a_record() for _ in range(SpinGate.MISSES + 1)]
         assert all(turns > 5 for turns in polled[: SpinGate.MISSES]), polled  # a window each
         assert polled[SpinGate.MISSES] <= 3, polled  # none pays: no window
+        retried = [await turns_after_a_record() for _ in range(samehost.LINGER_RETRY)]
+        assert sum(turns > 5 for turns in retried) == 1, retried  # tried again, once
     finally:
         sender.close()
         receiver.close()

@@ -63,7 +63,12 @@ LINGER: Final = 200e-6
 """Seconds a receiver keeps polling, over several turns, after the peer's last record: the
 Python a peer runs between two records of a stream (a chunk's save, a block write's planning)
 takes 50-150 µs here; catching its next record spares it a wake-up (15-80 µs of its time)
-and us one.  Gated: after a few windows in which nothing came, only an occasional one."""
+and us one.  Gated: after a few windows in which nothing came, only every ``LINGER_RETRY``-th."""
+LINGER_RETRY: Final = 8
+"""Once lingering stopped paying, every how many chances a window is tried again: a stream
+that starts after a quiet spell (or after a few records that came alone, as a connection's
+set-up) is caught again within a few records; a peer that never follows up costs one
+fruitless window per this many records."""
 LOST_CORE: Final = 4 * SPIN
 """A spin of ``SPIN`` that took longer than this lost the core to another process meanwhile."""
 _BATCH: Final = 256
@@ -106,7 +111,7 @@ class RingReceiver:
         self._next_turn = NextTurn(loop)
         self._awake_until = 0.0
         self._linger_until = 0.0
-        self._spin_gate = SpinGate()
+        self._linger_gate = SpinGate(LINGER_RETRY)
         self.linger = 0.0
         """Seconds to keep polling after the peer's last record, for its next one (0: not at
         all).  Set it only for a peer in another process: one in this process cannot write
@@ -205,12 +210,12 @@ class RingReceiver:
         that ran out (or in which we lost the core) as a miss."""
         if delivered:
             if self._linger_until:
-                self._spin_gate.record(True)
+                self._linger_gate.record(True)
             now = time.perf_counter()
-            linger = self.linger and now >= self._awake_until and self._spin_gate.may()
+            linger = self.linger and now >= self._awake_until and self._linger_gate.may()
             self._linger_until = now + self.linger if linger else 0.0
         elif self._linger_until and (not polling or time.perf_counter() >= self._linger_until):
-            self._spin_gate.record(False)
+            self._linger_gate.record(False)
             self._linger_until = 0.0
 
     def drain(self) -> None:

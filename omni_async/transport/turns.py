@@ -46,18 +46,20 @@ class SpinGate:
 
     MISSES = 3
     RETRY = 64
-    __slots__ = ("_misses", "_skipped")
+    __slots__ = ("_misses", "_retry", "_skipped")
 
-    def __init__(self) -> None:
+    def __init__(self, retry: int = RETRY) -> None:
+        """``retry``: every how many chances to try again once closed."""
         self._misses = 0
         self._skipped = 0
+        self._retry = retry
 
     def may(self) -> bool:
         """A chance to spin: whether to take it."""
         if self._misses < self.MISSES:
             return True
         self._skipped += 1
-        if self._skipped < self.RETRY:
+        if self._skipped < self._retry:
             return False
         self._skipped = 0
         return True
