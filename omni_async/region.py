@@ -210,7 +210,9 @@ Run = tuple[int, int, int]
 consecutive ones at ``remote``.  A plain tuple, not a named one: a plan of hundreds of one-block
 runs costs a quarter less (256 scattered pairs: 45 µs instead of 59).  (Checking and coalescing
 with numpy instead was measured slower where it counts: right after a large copy, which
-evicts numpy's machinery from the caches, 64 µs instead of 47 for 256 scattered pairs.)"""
+evicts numpy's machinery from the caches, 64 µs instead of 47 for 256 scattered pairs.)
+Lists that count up by one on both sides (a contiguous write) are recognised by comparisons
+that run in C and planned as one run without the loop."""
 
 def plan_runs(
     local_idxs: Sequence[int], remote_idxs: Sequence[int], local_blocks: int, remote_blocks: int
@@ -224,6 +226,9 @@ def plan_runs(
         raise InvalidBlocks(
             f"local_idxs has {len(local_idxs)} entries but remote_idxs has {len(remote_idxs)}"
         )
+    single = _single_run(local_idxs, remote_idxs, local_blocks, remote_blocks)
+    if single is not None:
+        return [single]
     runs: list[Run] = []
     start_l = start_r = count = 0
     for li, ri in zip(local_idxs, remote_idxs, strict=True):
@@ -242,6 +247,35 @@ def plan_runs(
     if count:
         runs.append((start_l, start_r, count))
     return runs
+
+
+def _single_run(
+    local_idxs: Sequence[int], remote_idxs: Sequence[int], local_blocks: int, remote_blocks: int
+) -> Run | None:
+    """The one run of two lists of Python ints that count up by one from in-range starts (a
+    contiguous write: its plan in C-speed comparisons, 256 pairs 23 -> 4 µs right after a large
+    copy), else None (the caller's loop plans, and rejects, everything else)."""
+    count = len(local_idxs)
+    if count < 2 or type(local_idxs) is not list or type(remote_idxs) is not list:
+        return None
+    first_l, first_r = local_idxs[0], remote_idxs[0]
+    if (
+        type(first_l) is not int
+        or type(first_r) is not int
+        or first_l < 0
+        or first_l + count > local_blocks
+        or first_r < 0
+        or first_r + count > remote_blocks
+        or local_idxs[-1] != first_l + count - 1
+        or remote_idxs[-1] != first_r + count - 1
+    ):
+        return None
+    # Equal to the ranges *and* all of type int (1.0 == 1 and True == 1, but neither is an index).
+    if local_idxs != list(range(first_l, first_l + count)) or remote_idxs != list(range(first_r, first_r + count)):
+        return None
+    if set(map(type, local_idxs)) != {int} or set(map(type, remote_idxs)) != {int}:
+        return None
+    return (first_l, first_r, count)
 
 
 def _as_index(value: object, side: str) -> int:

@@ -98,6 +98,22 @@ def test_plan_runs_rejects(local, remote):
         plan_runs(local, remote, 16, 16)
 
 
+def test_a_contiguous_write_is_one_run_and_is_checked_like_any_other():
+    """Counting-up lists take the one-run shortcut; its checks are the loop's."""
+    assert plan_runs(list(range(3, 259)), list(range(256)), 300, 256) == [(3, 0, 256)]
+    assert plan_runs((0, 1, 2), (5, 6, 7), 16, 16) == [(0, 5, 3)]  # tuples: the loop, same plan
+    assert plan_runs([0, 1, 2], [5, 6, 9], 16, 16) == [(0, 5, 2), (2, 9, 1)]
+    assert plan_runs([0, 5, 2], [0, 5, 2], 16, 16) == [(0, 0, 1), (5, 5, 1), (2, 2, 1)]  # ends fit, middle not
+    for local, remote in [
+        ([0, 1.0, 2], [0, 1, 2]),  # equal to the range, not all ints
+        ([0, 1, 2], [0, True, 2]),
+        ([14, 15, 16], [0, 1, 2]),  # one past the end
+        ([0, 1, 2], [-1, 0, 1]),
+    ]:
+        with pytest.raises(InvalidBlocks):
+            plan_runs(local, remote, 16, 16)
+
+
 @given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 31)), max_size=80))
 def test_plan_runs_covers_exactly(pairs):
     local = [p[0] for p in pairs]
