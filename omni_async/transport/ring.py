@@ -30,9 +30,17 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 from ..errors import ProtocolError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+Part: TypeAlias = "bytes | memoryview | npt.NDArray[np.uint8]"
+"""A piece of a record: anything whose ``len`` is its byte count and that a byte memoryview's
+slice takes as it is (a flat uint8 array needs no ``memoryview`` of its own)."""
 
 HEADER_BYTES: Final = 192
 _HEAD: Final = 0
@@ -107,7 +115,7 @@ class Producer(_Ring):
         """Bytes produced so far: this side's own count, which the consumer cannot move."""
         return self._head
 
-    def put(self, kind: int, parts: Sequence[bytes | memoryview]) -> bool:
+    def put(self, kind: int, parts: Sequence[Part]) -> bool:
         """Append one record whose payload is ``parts`` concatenated; False if the ring has no
         room now (nothing written).  Raises :class:`ValueError` for a payload over
         :func:`max_payload`, :class:`RingError` if the consumer corrupted its tail."""
@@ -132,7 +140,7 @@ class Producer(_Ring):
         at = pos + _FRAME.size
         for part in parts:
             end = at + len(part)
-            data[at:end] = part
+            data[at:end] = part  # type: ignore[assignment]  # (numpy's stubs export buffers on 3.12+ only)
             at = end
         self._head = head = head + skip + need
         self._ctl[_HEAD] = head

@@ -44,7 +44,7 @@ from typing import Final
 from ..errors import ProtocolError
 from ..memfd import SharedSegment
 from ..wire import RingOffer
-from .ring import Consumer, Producer, max_payload, ring_size
+from .ring import Consumer, Part, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
 from .turns import NextTurn, SpinGate, spin
 
@@ -306,7 +306,7 @@ class RingSender:
         self.broken: OSError | None = None
         """Set once a wake-up failed (the peer closed the ring or exited): stop using it."""
 
-    def send(self, kind: int, parts: Sequence[bytes | memoryview]) -> bool:
+    def send(self, kind: int, parts: Sequence[Part]) -> bool:
         """Append one record (``parts`` concatenated) and wake the peer if it sleeps; False if
         it does not fit now or the ring broke (send it another way).  Raises
         :class:`~.ring.RingError` if the peer corrupted the ring."""
