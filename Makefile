@@ -18,8 +18,13 @@ demo: $(STAMP)
 demo-cluster: $(STAMP)
 	$(VENV)/bin/omni-async demo-cluster
 
+# Two workers, a file's tests together (most of the suite's time is child processes starting);
+# the tests that compare what /dev/shm holds (marked alone) run afterwards, by themselves.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(PY) -m pytest -q -m alone
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check omni_async tests examples bench

@@ -26,10 +26,12 @@ TARGETS: tuple[tuple[str, str, float, str], ...] = (
 
 
 def speed_ratio(kind: str, mine: dict[str, float], other: dict[str, float] | None) -> float | None:
-    """``mine``'s speed over ``other``'s (see the module doc), rounded; None without ``other``."""
+    """``mine``'s speed over ``other``'s (see the module doc) to four significant digits (a
+    tiny ratio, such as a latency row's vs memcpy under load, stays above 0); None without
+    ``other``."""
     if other is None:
         return None
-    return round(speed(kind, mine) / speed(kind, other), 3)
+    return float(f"{speed(kind, mine) / speed(kind, other):.4g}")
 
 
 def ratios_and_targets(

@@ -133,7 +133,7 @@ async def test_a_second_hello_on_one_connection_is_refused_and_leaks_no_slot(mak
     """Two hellos back to back on one connection: the second is bad input (ignored, counted),
     the first is admitted; once that peer leaves, its slot is free again (the second hello used
     to overwrite the first's bookkeeping, leaving a stale admission that held a slot)."""
-    b = await make_agent(peer_id="b", max_peers=1)
+    b = await make_agent(peer_id="b", max_peers=1, lane_close_grace=1.0)  # the fake's lane never answers its close
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

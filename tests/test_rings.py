@@ -734,6 +734,7 @@ async def test_lingering_stops_once_it_no_longer_pays_and_is_off_by_default():
 
 
 # -- two processes, kill -9 of either side ----------------------------------------------------------
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path):
     before = dev_shm()
     peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), 16, 4096, {"peer_id": "rx"})
@@ -768,6 +769,7 @@ async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_
     assert dev_shm() <= before
 
 
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn_peer, tmp_path):
     before = dev_shm()
     agent = await make_agent(16, 4096, peer_id="rx")

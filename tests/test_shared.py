@@ -73,6 +73,7 @@ def seal_free_memfd(token: str, size: int) -> int:
 
 
 # -- the region and the mapping checks (no peer process) -----------------------------------------
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 def test_allocated_region_lives_in_a_sealed_memfd_not_in_dev_shm():
     before = dev_shm()
     region = BlockRegion.allocate(4, 4096)
@@ -351,6 +352,7 @@ async def test_writes_land_in_the_other_process_with_one_copy(make_agent, spawn_
     assert np.array_equal(theirs, expected)
 
 
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path, kind):
     """The kill lands while this process copies into the receiver's rows: this process lives,
@@ -376,6 +378,7 @@ async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_a
     await asyncio.wait_for(agent.write_blocks("rx2", [1], [2]), 10)
 
 
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_sender_killed_mid_write_receiver_keeps_serving(owned, spawn_peer, tmp_path, kind):
     """The writer maps (or process_vm_writes into) this process's region and is killed while

@@ -254,6 +254,7 @@ def test_a_file_that_could_shrink_is_neither_offered_nor_mapped(memfd_path, shm_
 
 
 # -- two processes, kill -9 of either side ----------------------------------------------------------
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 async def test_writes_land_in_a_peers_file_and_a_killed_receiver_leaks_nothing(make_agent, spawn_peer, memfd_path):
     """The receiver process serves a region mapped from a sealed memfd (which it opened through
     our /proc path of it): we map the file (one copy, no process_vm_writev) and the rows land in
@@ -283,6 +284,7 @@ async def test_writes_land_in_a_peers_file_and_a_killed_receiver_leaks_nothing(m
     assert dev_shm() <= before
 
 
+@pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
 async def test_sender_killed_while_it_writes_our_file_receiver_keeps_serving(owned, spawn_peer, tmp_path):
     """Our region is a sealed memfd the caller mapped (an allocated region's array, wrapped);
     the writer maps it and is SIGKILLed while writing: we drop it in time, keep serving, and
