@@ -192,7 +192,7 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
 async def test_acks_of_one_ring_batch_travel_together(make_agent):
     """Chunk messages taken in one ring batch are acknowledged with one record per
     ``ACK_BATCH`` of them (an ``Acks``), not one ``Ack`` record each; every transfer settles."""
-    from omni_async.transport.ucx import ACK_BATCH
+    from omni_async.transport.core import ACK_BATCH
 
     a, b = await pair(make_agent)
     b.set_message_sink(lambda *_message: None)
@@ -233,7 +233,7 @@ async def test_large_ring_messages_land_in_the_receive_pool_and_a_hoarder_gets_c
     """Frames of large ring messages are views of the receive pool, reused once the sink's
     arrays are dropped; a sink that keeps every frame forever fills the pool, and then gets
     fresh copies: nothing waits for it, every message arrives intact and is acknowledged."""
-    from omni_async.transport.ucx import POOL_MIN, RECEIVE_POOL_BYTES
+    from omni_async.transport.messages import POOL_MIN, RECEIVE_POOL_BYTES
 
     a, b = await pair(make_agent, max_message_bytes=1 << 30)
     kept = []
@@ -328,7 +328,7 @@ async def test_intents_never_committed_keep_a_receiver_awake_only_once(make_agen
     """A peer that keeps announcing intents it never commits, each within INTENT_WAIT of the
     last: the receiver stays awake (polls its ring) for the first one only, then sleeps between
     records, so the peer cannot keep its loop spinning."""
-    from omni_async.transport.ucx import INTENT_WAIT
+    from omni_async.transport.incoming_writes import INTENT_WAIT
 
     a, b = await pair(make_agent)
     b.transport.links["a"].ring_out.in_this_process = False  # as if a ran in another process
@@ -340,7 +340,7 @@ async def test_intents_never_committed_keep_a_receiver_awake_only_once(make_agen
 async def test_a_receiver_does_not_poll_for_the_commit_of_a_peer_in_this_process(make_agent):
     """The peer runs in this process: it cannot copy while we poll, so an intent does not keep
     the receiver awake."""
-    from omni_async.transport.ucx import INTENT_WAIT
+    from omni_async.transport.incoming_writes import INTENT_WAIT
 
     a, b = await pair(make_agent)
     intents = 10
@@ -363,7 +363,7 @@ async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(
     """A same-host write of at least ANNOUNCE_BYTES goes into the receiver's ring as an intent
     before its copy, and a commit after it (the receiver checks it meanwhile and is awake for
     the commit); a small one is copied first and then told with one placed header."""
-    from omni_async.transport.ucx import ANNOUNCE_BYTES
+    from omni_async.transport.block_writes import ANNOUNCE_BYTES
     from omni_async.wire import Commit, WriteRequest, decode_record
 
     a, b = await pair(make_agent, num_blocks=64, block_len=64 << 10)

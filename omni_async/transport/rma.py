@@ -6,7 +6,7 @@ in a :class:`~omni_async.wire.RkeyOffer`.  The sender unpacks them on its endpoi
 (``ucp_ep_rkey_unpack``: it parses peer bytes, so a vetting child does it first, see
 :mod:`.vetting`), then writes a request's rows with one ``ucp_put_nbx`` per run and region and
 one ``ucp_ep_flush_nbx``; once the flush completed the rows are in the peer's memory and a
-``placed`` header tells it (:mod:`.ucx`).
+``placed`` header tells it (:mod:`.block_writes`).
 
 Ownership: a :class:`Registration` belongs to its transport and is released with
 :meth:`Registration.close` once no lane of it can be written any more; an unpacked key belongs

@@ -1,0 +1,735 @@
+"""The transport's core: its links to peers (added, offered rings and keys, removed, drained),
+its transfers in flight (deadlines, settling, cancelling), and what arrives on a lane or a ring
+(headers dispatched by type, payloads matched to their headers, acknowledgements).
+
+:class:`TransportCore` holds all of the transport's state; the block writes
+(:mod:`.block_writes`), incoming writes (:mod:`.incoming_writes`) and chunk messages
+(:mod:`.messages`) extend it, and :class:`~.ucx.UcxTransport` puts them together.  The
+methods it leaves abstract are the ones the core calls into those parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import AgentConfig
+from ..errors import (
+    ClosedError,
+    DeadlineExceeded,
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+    TransferCancelled,
+    UnknownPeer,
+    error_from_code,
+)
+from ..handshake import PeerInfo
+from ..metrics import Kind, Metrics
+from ..region import BlockRegion, RegionSet, as_region_set
+from ..wire import (
+    DATA_KIND,
+    FULL_MASK,
+    HEADER_TAG,
+    KIND_MASK,
+    MAX_HEADER_BYTES,
+    SEQ_MASK,
+    Abort,
+    Ack,
+    Acks,
+    Commit,
+    DataHeader,
+    Goodbye,
+    MessageHeader,
+    RingOffer,
+    RkeyOffer,
+    WriteRequest,
+    decode_header,
+    decode_record,
+    encode_header,
+    encode_record,
+    with_length,
+)
+from .lane import Completion, Lane, new_context
+from .limits import receive_budget
+from .link import MessageSink, PeerLink, Sent, awaits_answer
+from .notices import NoticeQueue, sink_error
+from .pool import ReceivePool
+from .protocol import Deadlines, GiveUp
+from .ring import RingError
+from .rma import Registration
+from .samehost import KIND_HEADER, KIND_MESSAGE, LINGER, RingReceiver, RingSender
+from .shared import Refused, open_writers
+from .transfer import CancelMode, Transfer
+from .vetting import NotVetted, shared_vetter
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT = 1.0
+"""Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
+ACK_BATCH = 16
+"""Most acknowledgements held back while a ring batch is being taken: enough to spare most
+records and wake-up checks, few enough that the sender's window keeps moving."""
+FaultCallback = Callable[[str, OmniAsyncError], None]
+"""``fault(peer_id, error)``: the transport dropped a peer on its own (protocol violation, a
+broken lane, or the peer's Goodbye); the owner forgets it too."""
+
+
+class TransportCore(ABC):
+    """The transport's state and the methods every part of it uses (see the module doc); the
+    transport itself is :class:`~.ucx.UcxTransport`.  All methods run on the agent's event loop."""
+
+    _HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]]
+    """Each data header's handler ``(self, link, header)``: every type of ``DataHeader``."""
+    _RING_HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]]
+    """The handlers of the headers a peer may put into its ring as ``KIND_HEADER`` records."""
+
+    def __init__(
+        self,
+        region: BlockRegion | RegionSet,
+        config: AgentConfig,
+        fault: FaultCallback,
+        metrics: Metrics,
+        host_id: str = "",
+    ) -> None:
+        self.regions = as_region_set(region)
+        self.region = self.regions.regions[0]
+        self._arrays = self.regions.arrays
+        self.host_id = host_id
+        self.config = config
+        self.metrics = metrics
+        self.message_sink: MessageSink | None = None
+        self.notices = NoticeQueue(config.notice_queue)
+        """Notices of incoming writes, for the application (see :mod:`.notices`)."""
+        self._fault = fault
+        self._loop = asyncio.get_running_loop()
+        self._context = new_context(config.ucx_tls, config.ucx_net_devices)
+        self._links: dict[str, PeerLink] = {}
+        self._ids = itertools.count(1)
+        self._vetter = shared_vetter(config.ucx_tls, config.ucx_net_devices)
+        self._closing: set[Lane] = set()
+        self._drains: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._pool: ReceivePool | None = None
+        self._registration: Registration | None = None  # our regions mapped for puts, once offered
+        self._keyings: set[asyncio.Task[None]] = set()  # cancelled key vettings of removed peers
+
+    @property
+    def receive_pool(self) -> ReceivePool | None:
+        """Where large chunk messages from same-host rings are copied (see :mod:`.pool`);
+        None until the first one came."""
+        return self._pool
+
+    async def warm_up(self) -> None:
+        """Start the address-vetting child now (about half a second, once per process) rather
+        than inside the first handshake, whose timeout it would eat into."""
+        await asyncio.get_running_loop().run_in_executor(None, self._vetter.warm_up)
+
+    def open_lane(self) -> Lane:
+        """A fresh lane whose address goes into a handshake; pass it to :meth:`add_peer`."""
+        self._check_open()
+        return Lane(self._context, self._loop, close_grace=self.config.lane_close_grace)
+
+    async def connect_lane(self, peer: PeerInfo, lane: Lane) -> None:
+        """Connect ``lane`` to the peer's lane (the first half of adding a peer; :meth:`add_peer`
+        is the second).  The peer's address is vetted first (see :mod:`.vetting`); an unusable
+        one raises :class:`ProtocolError`.  Nothing is added: on failure discard the lane."""
+        self._check_open()
+        lane.check_address(peer.agent_metadata)  # cheap structural check first
+        await self._vetter.check(peer.agent_metadata)
+        lane.connect(peer.agent_metadata)
+        self._check_open()
+
+    def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
+        """Start sending to and receiving from the peer over ``lane`` (connected by
+        :meth:`connect_lane`).  The owner removed any previous link of the peer id first."""
+        self._check_open()
+        if peer.peer_id in self._links:
+            raise RuntimeError(f"peer {peer.peer_id!r} still has a lane")  # the owner's bug
+        link = PeerLink(
+            peer,
+            lane,
+            Deadlines(self.config.transfer_timeout),
+            gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
+            receive_bytes=receive_budget(self.config.max_message_bytes),
+        )
+        if self.config.same_host_lane:
+            link.direct = open_writers(peer, self.host_id)
+        self._links[peer.peer_id] = link
+        lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
+        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
+        lane.on_stray = partial(self._stray_arrived, link)
+        # Acknowledgements come through the ring once there is one: the lane need not spin.
+        lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
+        # Not once removed: a draining lane has no rings left, yet nothing to stay hot for.
+        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None and self._links.get(peer.peer_id) is link
+        self._offer_ring(link)
+        self._offer_keys(link)
+
+    def _offer_ring(self, link: PeerLink) -> None:
+        """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
+        if not (self.config.same_host_lane and self.host_id and link.peer.host_id == self.host_id):
+            return
+        try:
+            ring = RingReceiver(
+                self._loop,
+                partial(self._ring_record, link),
+                partial(self._ring_broke, link),
+                partial(awaits_answer, link),
+                batch_done=partial(self._flush_acks, link),
+            )
+        except OSError as exc:
+            log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
+            return
+        link.ring_in = ring
+        link.lane.send(encode_header(ring.offer()), HEADER_TAG, ignore)
+
+    def _on_ring_offer(self, link: PeerLink, offer: RingOffer) -> None:
+        """The peer offers its ring: send through it from now on (if it can be mapped)."""
+        if link.ring_out is not None or link.ring_in is None:
+            log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
+            return
+        try:
+            link.ring_out = RingSender(offer)
+        except (Refused, OSError, ValueError) as exc:
+            log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
+            return
+        if not link.ring_out.in_this_process:  # its next record may come while we poll
+            link.ring_in.linger = LINGER
+
+    def _offer_keys(self, link: PeerLink) -> None:
+        """Offer a peer without a same-host lane puts into our regions (mapped on first use)."""
+        if not self.config.ucx_puts or link.gather:
+            return
+        if self._registration is None:
+            try:
+                self._registration = Registration(self._context, self._arrays)
+            except OSError as exc:
+                log.warning("regions not mapped for UCX puts, writes to us go as tag messages: %s", exc)
+                return
+        link.lane.send(encode_header(RkeyOffer(list(self._registration.keys))), HEADER_TAG, ignore)
+
+    def _on_rkey_offer(self, link: PeerLink, offer: RkeyOffer) -> None:
+        """The peer offers puts into its regions: vet its keys in a child, then unpack them."""
+        if not self.config.ucx_puts:
+            return  # puts are off here: writes to the peer go as tag messages
+        if link.gather or link.remote_keys is not None or link.keying is not None:
+            log.warning("ignored a remote key offer from %s (a same-host link, or a second one)", link.peer.peer_id)
+            return
+        if len(offer.keys) != len(self._arrays):
+            self._drop(link, ProtocolError(f"{len(offer.keys)} remote keys offered for {len(self._arrays)} regions"))
+            return
+        link.keying = self._loop.create_task(self._take_keys(link, offer.keys), name=f"omni-rkeys-{link.peer.peer_id}")
+
+    async def _take_keys(self, link: PeerLink, keys: list[bytes]) -> None:
+        """Vet the peer's offered keys in a child, then unpack them on its lane: from then on
+        writes to it go as puts.  Keys UCX refuses drop the peer; a check with no verdict (the
+        vetter is saturated or slow) leaves it on tag messages."""
+        try:
+            await self._vetter.check(link.peer.agent_metadata, keys=keys)
+            if self._links.get(link.peer.peer_id) is link:
+                link.remote_keys = link.lane.unpack_keys(keys)
+        except NotVetted as exc:
+            log.warning("peer %s: writes go as tag messages: %s", link.peer.peer_id, exc)
+        except ProtocolError as exc:
+            log.warning("peer %s: %s", link.peer.peer_id, exc)
+            self._drop(link, exc)
+        except PeerLost:
+            pass  # the lane closed meanwhile
+        except OSError as exc:  # the vetting child could not be run: no puts to this peer
+            log.warning("peer %s: remote keys not vetted, writes go as tag messages: %s", link.peer.peer_id, exc)
+        finally:
+            link.keying = None
+
+    def _ring_record(self, link: PeerLink, kind: int, payload: memoryview) -> None:
+        """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
+        header: DataHeader
+        if kind == KIND_HEADER:  # the header alone, no length prefix (the ring frames it)
+            header = decode_record(payload)
+            handler = self._RING_HANDLERS.get(type(header))  # Goodbye and RingOffer come only over the lane
+            if handler is not None:
+                handler(self, link, header)
+                return
+        elif kind == KIND_MESSAGE:  # a length-prefixed message header, then its frames
+            header = decode_header(payload)
+            if isinstance(header, MessageHeader):
+                self._on_ring_message(link, header, payload)
+                return
+        else:
+            raise ProtocolError(f"ring record of unknown kind {kind}")
+        raise ProtocolError(f"ring record of kind {kind} holds a {type(header).__name__}")
+
+    def _ring_broke(self, link: PeerLink, error: ProtocolError) -> None:
+        link.ring_in = None
+        self._drop(link, error)
+
+    def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
+        """Send a header through the peer's ring if there is one with room, else over UCX."""
+        body = encode_record(header)
+        try:
+            if self._ring_put(link, body):
+                return
+        except RingError as exc:
+            self._drop(link, exc)
+            return
+        link.lane.send(with_length(body), HEADER_TAG, done)
+
+    def _ring_put(self, link: PeerLink, data: bytes) -> bool:
+        """Put one header (:func:`~omni_async.wire.encode_record`) into the peer's ring, where
+        the peer sees it on return; False if there is no ring, no room, or it broke (send it
+        another way).  Raises
+        :class:`RingError` if the peer corrupted the ring."""
+        ring = link.ring_out
+        if ring is None:
+            return False
+        if ring.send(KIND_HEADER, (data,)):
+            if link.sent and link.ring_in is not None:
+                link.ring_in.kick()  # spin for the answer rather than sleep
+            return True
+        if ring.broken is not None:
+            self._drop_ring_out(link)
+        return False
+
+    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
+        """Fail the peer's in-flight transfers with ``error`` and close its lane.
+
+        ``orderly`` (the peer is alive: it said goodbye, or this side is closing or removing it)
+        drains the lane first: both sides send a :class:`~omni_async.wire.Goodbye` and close
+        once they have the other's and nothing is pending, so no UCX request is left behind
+        (a send to a peer that stopped progressing could never complete, and would pin the
+        lane's worker).  Draining is bounded by ``DRAIN_TIMEOUT``.  Returns False if unknown.
+        """
+        link = self._links.pop(peer_id, None)
+        if link is None:
+            return False
+        if link.ring_in is not None:
+            # What the peer put into its ring before it was lost counts (an intent above all:
+            # its rows may be changing); acknowledgements settle, nothing is answered.
+            link.ring_in.drain()
+        error = error or PeerLost(f"peer {peer_id!r} removed")
+        for notice in link.notices.lost(error):  # the writes it was sending us fail
+            self.notices.offer(notice, _nothing)
+        link.outbox.clear()
+        link.parked.clear()
+        link.held.clear()
+        link.intents.clear()
+        link.remote_keys = None  # the lane owns them: destroyed before its worker
+        if link.keying is not None:
+            link.keying.cancel()
+            self._keyings.add(link.keying)
+            link.keying.add_done_callback(self._keyings.discard)
+        self._drop_direct(link)
+        self._drop_rings(link)
+        for transfer_id in list(link.sent):
+            self._settle(link, transfer_id, error)
+        if link.timer is not None:
+            link.timer.cancel()
+            link.timer = None
+        if orderly:
+            link.drain.leave()
+            link.lane.send(encode_header(Goodbye()), HEADER_TAG, ignore)
+            task = self._loop.create_task(self._drain_lane(link, error), name=f"omni-drain-{peer_id}")
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        else:
+            self._release_link(link, error)
+        return True
+
+    def _release_link(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Let go of everything a removed peer owned: payload messages whose header never came
+        are taken (truncated into scratch), so UCX is not left holding probed messages nobody
+        received; the buffers announced for it are dropped; its lane closes."""
+        for message in link.inbox.release():
+            link.lane.recv_arrived_many([link.scratch], message, ignore)
+        self.discard_lane(link.lane, error)
+
+    async def _drain_lane(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Release the lane once the lane protocol says it drained (:class:`.protocol.Drain`:
+        the peer's Goodbye is here and nothing is pending), or after ``DRAIN_TIMEOUT``.
+        Event-driven: the lane reports each progress pass; nothing polls."""
+        lane = link.lane
+        drained = self._loop.create_future()
+
+        def progress() -> None:
+            if link.drain.progress(lane.in_flight):
+                drained.set_result(None)
+
+        lane.on_progress = progress
+        try:
+            progress()  # the peer may have left already, and the Goodbye be sent
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                await drained
+        except TimeoutError:
+            if link.drain.expire():
+                log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
+        finally:
+            lane.on_progress = None
+            self._release_link(link, error)
+
+    def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
+        """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
+        lane.close(error)
+        self._closing = {other for other in self._closing if not other.released}
+        self._closing.add(lane)
+
+    @property
+    def ucx_config(self) -> dict[str, str]:
+        """The UCX context's effective configuration (e.g. ``["TLS"]``, the transports allowed)."""
+        return dict(self._context.config)
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return list(self._links)
+
+    @property
+    def links(self) -> Mapping[str, PeerLink]:
+        """The live per-peer state, by peer id: a read-only view for diagnostics and tests
+        (which lane, ring or same-host writer a peer uses).  Never modify what it holds."""
+        return MappingProxyType(self._links)
+
+    def peer(self, peer_id: str) -> PeerInfo:
+        return self._link(peer_id).peer
+
+    def same_host(self, peer_id: str) -> bool:
+        """Whether the peer's lane is a same-host one (shared memory, gathered writes)."""
+        return self._link(peer_id).gather
+
+    def lane(self, peer_id: str) -> Lane:
+        """The joined peer's lane (e.g. to read its ``wakeups``); raises :class:`UnknownPeer`."""
+        return self._link(peer_id).lane
+
+    def direct_kind(self, peer_id: str) -> str | None:
+        """How blocks reach the joined peer's region in one copy (``"memfd"``, ``"file"``, ``"vm"``, see
+        :mod:`.shared`), or None when they travel through UCX; raises :class:`UnknownPeer`."""
+        direct = self._link(peer_id).direct
+        return None if direct is None else direct.kind
+
+    def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
+        """Transfers sent and not settled yet (to one peer, or to all)."""
+        links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
+        return [sent.transfer for link in links for sent in link.sent.values()]
+
+    @staticmethod
+    def _drop_direct(link: PeerLink) -> None:
+        direct, link.direct = link.direct, None
+        if direct is not None:
+            direct.close()
+
+    @staticmethod
+    def _drop_ring_out(link: PeerLink) -> None:
+        ring, link.ring_out = link.ring_out, None
+        if ring is not None:
+            ring.close()
+
+    def _drop_rings(self, link: PeerLink) -> None:
+        self._drop_ring_out(link)
+        ring, link.ring_in = link.ring_in, None
+        if ring is not None:
+            ring.close()
+
+    def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind) -> Transfer:
+        transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)
+        now = self._loop.time()
+        link.sent[transfer.id] = Sent(transfer, kind, now)
+        due = link.deadlines.start(transfer.id, now)
+        if due is not None:
+            link.timer = self._loop.call_at(due, self._deadlines_due, link)
+        self.metrics.started(link.peer.peer_id)
+        return transfer
+
+    def _sent(self, link: PeerLink, transfer_id: int, error: BaseException | None) -> None:
+        """A payload or header send completed; a failed one means the lane to the peer broke."""
+        if error is None or self._links.get(link.peer.peer_id) is not link:
+            return
+        self._lose(link, transfer_id, PeerLost(f"data plane to {link.peer.peer_id!r} broke: {error}"))
+
+    def _lose(self, link: PeerLink, transfer_id: int, lost: PeerLost) -> None:
+        """The peer of ``link`` is gone (seen by a write to it): drop it first, so that its leave
+        event comes before any failure it causes (a caller told a write failed with
+        ``PeerLost`` finds the peer gone), then fail the write if the drop did not."""
+        self._drop(link, lost)
+        self._settle(link, transfer_id, lost)
+
+    def _deadlines_due(self, link: PeerLink) -> None:
+        """The link's deadline timer went off: arm it for the next deadline, expire what is due."""
+        expired, due = link.deadlines.fired(self._loop.time())
+        link.timer = None if due is None else self._loop.call_at(due, self._deadlines_due, link)
+        for transfer_id in expired:
+            self._settle(link, transfer_id, DeadlineExceeded(f"no acknowledgement within {link.deadlines.timeout}s"))
+
+    def _settle(self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None) -> None:
+        """Settle a transfer: acknowledged (``error`` None), answered with a failure, or given
+        up here (deadline, a failed send, the peer's removal)."""
+        sent = self._end(link, transfer_id, error)
+        if sent is None:
+            return
+        if error is None:
+            sent.transfer.set_done()
+        else:
+            sent.transfer.set_failed(error)
+
+    def _end(
+        self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None, mode: CancelMode = "immediate"
+    ) -> Sent | None:
+        """Carry out what the lane protocol decides for a transfer that ends here (``error``:
+        given up, or answered with it; a cancel in ``mode``): nothing yet, or forget it (after
+        an ``Abort`` if told to).  Returns its record, to settle its handle; None if it was
+        settled already or is kept (a ``"wait"`` cancel)."""
+        sent = link.sent.get(transfer_id)
+        if sent is None:
+            return None  # settled already (cancelled, expired, acknowledged)
+        current = self._links.get(link.peer.peer_id) is link
+        action = GiveUp.SETTLE if error is None or not current else link.outbox.give_up(transfer_id, mode)
+        if action is GiveUp.KEEP:
+            return None
+        del link.sent[transfer_id]  # first: what runs below sees it settled
+        link.deadlines.settle(transfer_id)
+        if current:
+            if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
+                abort = Abort(transfer_id, error.code, str(error)[:1000])
+                link.lane.send(encode_header(abort), HEADER_TAG, ignore)
+            if error is not None:  # (an acknowledged one left the outbox with its last answer, or never entered it)
+                carry_out(link.outbox.forget(transfer_id))
+            if link.parked:
+                self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
+        outcome = "ok" if error is None else error.code
+        self.metrics.settled(
+            sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
+        )
+        return sent
+
+    def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
+        """Cancel transfers by id with the seed's semantics; unknown ids are ignored.
+
+        ``"immediate"``: each settles now with :class:`TransferCancelled`; returns ``[]``.
+        ``"wait"``: returns the ids still draining; each settles (as cancelled) once the
+        receiver answered or the peer is lost.
+        """
+        wanted = set(transfer_ids)
+        draining = []
+        for link in list(self._links.values()):
+            for transfer_id in wanted.intersection(link.sent):
+                if link.sent[transfer_id].transfer.cancel(mode):
+                    draining.append(transfer_id)
+        return draining
+
+    def _on_cancel(self, transfer: Transfer, mode: CancelMode) -> bool:
+        """``transfer.cancel(mode)``: True if it is kept, draining (the handle settles itself
+        otherwise)."""
+        link = self._links.get(transfer.peer_id)
+        if link is None or transfer.id not in link.sent:
+            return False
+        return self._end(link, transfer.id, TransferCancelled("the sender cancelled the write"), mode) is None
+
+    def _header_arrived(self, link: PeerLink, _tag: int, length: int, message: Any) -> None:
+        if length > MAX_HEADER_BYTES:
+            self._drop(link, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
+            return
+        buffer = np.empty(length, np.uint8)
+        link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
+
+    def _data_arrived(self, link: PeerLink, tag: int, length: int, message: Any) -> None:
+        try:
+            take = link.inbox.arrived(tag & SEQ_MASK, length, message)
+        except ProtocolError as exc:
+            self._drop(link, exc)
+            return
+        if take is not None:
+            message, (buffers, done) = take
+            link.lane.recv_arrived_many(buffers, message, done)
+
+    def _stray_arrived(self, link: PeerLink, tag: int, length: int, message: Any) -> None:
+        """A message no watch took: a header or payload that arrived after its watch looked
+        is handled as such; one on a tag this protocol never uses is taken (truncated into
+        scratch) and is a violation."""
+        if tag & KIND_MASK == DATA_KIND:
+            self._data_arrived(link, tag, length, message)
+        elif tag == HEADER_TAG:
+            self._header_arrived(link, tag, length, message)
+        else:
+            link.lane.recv_arrived_many([link.scratch], message, ignore)
+            self._drop(link, ProtocolError(f"message of {length} bytes on unknown tag {tag:#x}"))
+
+    def _admit(self, link: PeerLink, seq: int, messages: int, nbytes: int) -> bool:
+        """Account a header's payload messages (``seq`` on) and chunk bytes against the
+        per-peer bounds (which the peer's sender window respects); a peer over them broke the
+        protocol and is dropped (returns False)."""
+        try:
+            link.inbox.admit(seq, messages, nbytes)
+        except ProtocolError as exc:
+            self._drop(link, exc)
+            return False
+        return True
+
+    def _expect(
+        self, link: PeerLink, seq: int, buffers: list[npt.NDArray[np.uint8]], done: Completion, length: int = -1
+    ) -> bool:
+        """Receive payload message ``seq`` scattered over ``buffers`` when it arrives (or now);
+        False if that broke the protocol (the peer is dropped).
+
+        ``length`` is the announced size when the buffers are shorter (a truncated drain)."""
+        announced = sum(buffer.nbytes for buffer in buffers) if length < 0 else length
+        try:
+            take = link.inbox.expect(seq, announced, (buffers, done))
+        except ProtocolError as exc:
+            self._drop(link, exc)
+            return False
+        if take is not None:
+            link.lane.recv_arrived_many(buffers, take[0], done)
+        return True
+
+    def _on_header(self, link: PeerLink, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
+        if error is not None:
+            return  # the lane is closing; liveness is the control plane's job
+        try:
+            header: DataHeader = decode_header(buffer.data)
+        except ProtocolError as exc:
+            self._drop(link, exc)
+            return
+        if link.ring_in is not None and _follows_ring(header):
+            link.ring_in.drain()  # the intents the peer put into its ring before this come first
+        self._handle_header(link, header)
+
+    def _handle_header(self, link: PeerLink, header: DataHeader) -> None:
+        """A header from the peer, over UCX or through its ring: to its handler, by type."""
+        self._HANDLERS[type(header)](self, link, header)
+
+    def _on_goodbye(self, link: PeerLink, _goodbye: Goodbye) -> None:
+        """The peer leaves (what it put into the ring before was taken first, see
+        :func:`_follows_ring`); a peer that leaves first is removed (its lane drains) and the
+        owner told."""
+        if link.drain.goodbye():
+            gone = PeerLost(f"peer {link.peer.peer_id!r} is closing")
+            self.remove_peer(link.peer.peer_id, gone, orderly=True)
+            self._fault(link.peer.peer_id, gone)
+
+    def _on_ack(self, link: PeerLink, ack: Ack) -> None:
+        self._answered(link, ack.transfer_id, ack.code, ack.reason)
+
+    def _on_acks(self, link: PeerLink, acks: Acks) -> None:
+        for transfer_id in acks.transfer_ids:
+            self._answered(link, transfer_id, "", "")
+
+    def _answered(self, link: PeerLink, transfer_id: int, code: str, reason: str) -> None:
+        """The peer's answer to one of our requests (``code`` empty: done)."""
+        due = link.notice_answers.get(transfer_id)
+        if due is not None:
+            if due > 1:
+                link.notice_answers[transfer_id] = due - 1
+            else:
+                del link.notice_answers[transfer_id]
+                link.lane_noticed.discard(transfer_id)
+        settled, error, posts = link.outbox.answered(transfer_id, code, reason)
+        if settled:
+            self._settle(link, transfer_id, error_from_code(*error) if error else None)
+        if link.held:
+            self._release_held(link)  # before the posts the answer released: they came later
+        if posts:
+            carry_out(posts)
+
+    def _rows(self, runs: Sequence[tuple[int, int]]) -> list[npt.NDArray[np.uint8]]:
+        """The flat rows of ``(start, count)`` runs in every region of the set, run by run: the
+        order of a write's payload messages (or of its gathered one).  A one-block run is the
+        row by index (half the cost of a slice and a reshape)."""
+        arrays = self._arrays
+        return [
+            array[start] if count == 1 else array[start : start + count].reshape(-1)
+            for start, count in runs
+            for array in arrays
+        ]
+
+    def _answer(self, link: PeerLink, transfer_id: int, kind: Kind, nbytes: int, error: BaseException | None) -> None:
+        """Acknowledge an incoming transfer, or report why it failed, unless the lane is gone."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return
+        failed = None if error is None else sink_error(error)
+        ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, str(failed)[:1000])
+        self._send_header(link, ack, ignore)  # first: the sender waits for it, not for our metrics
+        self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
+
+    def _flush_acks(self, link: PeerLink) -> None:
+        """Send the acknowledgements held in :attr:`PeerLink.acks` (end of a ring batch, or
+        ``ACK_BATCH`` of them): one :class:`Ack`, or one :class:`Acks` for several."""
+        if not link.acks:
+            return
+        ids, link.acks = link.acks, []
+        if self._links.get(link.peer.peer_id) is link:
+            self._send_header(link, Ack(ids[0]) if len(ids) == 1 else Acks(ids), ignore)
+
+    async def close(self) -> None:
+        """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
+        and wait until UCX released them.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for peer_id in list(self._links):
+                self.remove_peer(peer_id, ClosedError("transport closed"), orderly=True)
+            self.notices.close()
+        await asyncio.gather(*list(self._drains))
+        await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
+        if self._keyings:
+            await asyncio.wait(list(self._keyings))
+        registration, self._registration = self._registration, None
+        if registration is not None:  # no lane is left to put into the regions
+            registration.close()
+
+    def _drop(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Tell the owner to drop the peer of ``link`` (it broke the protocol, or its lane or
+        process is gone), unless the link was removed already: what a removed link still
+        handles (its draining lane, the ring records drained on removal) drops nobody."""
+        if self._links.get(link.peer.peer_id) is link:
+            self._fault(link.peer.peer_id, error)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("transport is closed")
+
+    def _link(self, peer_id: str) -> PeerLink:
+        try:
+            return self._links[peer_id]
+        except KeyError:
+            raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
+
+    # -- what the other parts provide ------------------------------------------------------
+    @abstractmethod
+    def _release_held(self, link: PeerLink) -> None:
+        """Post the held requests with a notice that may go now (:mod:`.block_writes`)."""
+
+    @abstractmethod
+    def _unpark(self, link: PeerLink) -> None:
+        """Post the chunk messages waiting for room in the peer's ring (:mod:`.messages`)."""
+
+    @abstractmethod
+    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview) -> None:
+        """A chunk message taken from the peer's ring (:mod:`.messages`)."""
+
+
+def _follows_ring(header: DataHeader) -> bool:
+    """Whether a header that came over UCX may refer to records the peer put into its ring
+    before it: a commit, an abort, a write with a notice (write order), a goodbye (what the peer
+    put into the ring before it left comes first)."""
+    return isinstance(header, Commit | Abort | Goodbye) or (
+        isinstance(header, WriteRequest) and header.notice is not None
+    )
+
+
+def _nothing() -> None:
+    """Release of a notice with no acknowledgement held (its sender is gone)."""
+
+
+def carry_out(posts: list[Callable[[], None]]) -> None:
+    """Post the requests the lane protocol released, in order."""
+    for post in posts:
+        post()
+
+
+def ignore(_error: BaseException | None) -> None:
+    """Completion of a best-effort send (an acknowledgement)."""

@@ -1,0 +1,138 @@
+"""What the transport keeps per peer (:class:`PeerLink`) and per transfer in flight
+(:class:`Sent`), and the types of chunk messages.  No I/O: plain records that the transport's
+parts (:mod:`.core`, :mod:`.block_writes`, :mod:`.incoming_writes`, :mod:`.messages`) read and
+update on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import InitVar, dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import (
+    OmniAsyncError,
+)
+from ..handshake import PeerInfo
+from ..metrics import Kind
+from ..wire import (
+    MAX_PENDING_PAYLOADS,
+)
+from .lane import Completion, Lane
+from .limits import Window
+from .notices import NoticeBook
+from .protocol import Deadlines, Drain, Inbox, Outbox
+from .samehost import RingReceiver, RingSender
+from .shared import Writers
+from .transfer import Transfer
+
+Frames = list[npt.NDArray[np.uint8]]
+Message = tuple[int, str, bytes, list[int], Frames]
+"""A chunk message to post: ``(transfer_id, key, meta, frame sizes, non-empty frames)``."""
+MessageSink = Callable[[str, str, bytes, Frames], Awaitable[None] | None]
+"""``sink(peer_id, key, meta, frames)``: a received message, its frames now owned by the sink
+(large ones from a same-host ring are views of the receive pool, :mod:`.pool`: their memory
+goes back to it when the last reference to them is dropped; nothing else releases it).
+
+The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
+if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
+"""
+
+
+class Sent:
+    """A transfer in flight: its kind and start time (for metrics)."""
+
+    __slots__ = ("kind", "started", "transfer")
+
+    def __init__(self, transfer: Transfer, kind: Kind, started: float) -> None:
+        self.transfer = transfer
+        self.kind = kind
+        self.started = started
+
+
+@dataclass(eq=False)
+class PeerLink:
+    """Everything the transport keeps about one peer (read-only outside the transport: see
+    :attr:`~.ucx.UcxTransport.links`)."""
+
+    peer: PeerInfo
+    lane: Lane
+    deadlines: Deadlines
+    """When the transfers to the peer run out of time (one timer for all: :attr:`timer`)."""
+    inbox: Inbox[tuple[list[npt.NDArray[np.uint8]], Completion]] = field(init=False)
+    """Payload messages matched to their headers: each goes to (buffers, done); the buffers
+    may be shorter than the announced length (a refused write's payload is received into a
+    1-byte scratch buffer: UCX truncates it)."""
+    sent: dict[int, Sent] = field(default_factory=dict)
+    """Transfers sent to the peer and not acknowledged yet."""
+    outbox: Outbox[Callable[[], None]] = field(init=False)
+    """Sequence numbers, requests waiting for the peer's window, answers awaited, cancels."""
+    drain: Drain = field(init=False)
+    """Goodbyes and what is still pending: when the lane may be released."""
+    timer: asyncio.TimerHandle | None = None
+    """The deadline timer, armed when :attr:`deadlines` says so; None: nothing to expire."""
+    scratch: npt.NDArray[np.uint8] = field(default_factory=lambda: np.empty(1, np.uint8))
+    """Where refused or stray payloads go (UCX truncates them: nothing is allocated)."""
+    gather: bool = False
+    """Send each block write as one gathered message (peers on this host over shared memory:
+    measured faster; over tcp one message per run is faster, see docs/tuning.md)."""
+    direct: Writers | None = None
+    """Write blocks straight into the peer's regions, one per region of its set (same host,
+    see :mod:`.shared`); None: block payloads go through UCX."""
+    notice_answers: dict[int, int] = field(default_factory=dict)
+    """Requests with a notice posted to the peer and not answered yet, by transfer."""
+    lane_noticed: set[int] = field(default_factory=set)
+    """Transfers of ``notice_answers`` that sent a header with a notice over the lane: until
+    they are answered, no intent goes into the ring (it could overtake them)."""
+    held: deque[tuple[int, bool, Callable[[], None]]] = field(default_factory=deque)
+    """Requests with a notice waiting, in order, for ``lane_noticed`` to empty."""
+    intents: dict[tuple[int, int], tuple[Completion, OmniAsyncError | None]] = field(default_factory=dict)
+    """The peer's intents (placed requests with a notice, or large ones) by ``(transfer,
+    part)``, awaiting their :class:`~omni_async.wire.Commit`: what answers each, and the
+    refusal if invalid."""
+    notices: NoticeBook[Callable[[], None]] = field(init=False)
+    """The peer's incoming writes with notices not notified yet; the held acknowledgements."""
+    ring_in: RingReceiver | None = None
+    """The ring this peer writes headers and chunk messages into (same host, see
+    :mod:`.samehost`); None: they come over UCX."""
+    ring_out: RingSender | None = None
+    """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
+    parked: deque[Message] = field(default_factory=deque)
+    """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
+    remote_keys: list[int] | None = None
+    """The peer's remote keys (one per region, unpacked on the lane, which owns them) once it
+    offered them and they passed vetting: block writes without a notice go as puts (see
+    :mod:`.rma`); None: as tag messages."""
+    keying: asyncio.Task[None] | None = None
+    """Vetting and unpacking the peer's offered keys, while it runs."""
+    acks: list[int] = field(default_factory=list)
+    """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
+    being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
+
+    receive_bytes: InitVar[int] = 0
+    """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
+
+    def __post_init__(self, receive_bytes: int) -> None:
+        self.outbox = Outbox(Window(self.peer.max_message_bytes))
+        self.inbox = Inbox(receive_bytes)
+        self.drain = Drain(self.inbox)
+        # The sender's window counts each request with a notice as a payload message.
+        self.notices = NoticeBook(self.peer.peer_id, 2 * MAX_PENDING_PAYLOADS)
+
+
+def awaits_answer(link: PeerLink) -> bool:
+    """Whether an answer from the peer is due and may come while this thread spins: a transfer
+    awaits its acknowledgement and the peer runs in another process (one in this process
+    cannot answer while we spin: a spin there only delays it)."""
+    return bool(link.sent) and peer_elsewhere(link)
+
+
+def peer_elsewhere(link: PeerLink) -> bool:
+    """Whether the peer runs in another process, as far as its ring says (no ring: unknown,
+    False)."""
+    ring = link.ring_out
+    return ring is not None and not ring.in_this_process

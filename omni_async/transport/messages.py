@@ -1,0 +1,254 @@
+"""Chunk messages, both directions: a message (opaque meta and frames) put whole into a
+same-host peer's ring, waiting in order for room in it, or sent over the lane as a header and one
+payload; received ones copied out of the ring (into the receive pool when large) or received
+into fresh arrays, handed to the sink and acknowledged (ring ones in batches).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import (
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+    TransferFailed,
+)
+from ..wire import (
+    HEADER_TAG,
+    MessageHeader,
+    data_tag,
+    encode_header,
+    validate_message,
+)
+from .core import ACK_BATCH, TransportCore, carry_out
+from .limits import check_message
+from .link import Frames, Message, PeerLink
+from .pool import ReceivePool
+from .ring import RingError
+from .samehost import KIND_MESSAGE
+from .transfer import Transfer
+
+log = logging.getLogger(__name__)
+
+_U8 = np.dtype(np.uint8)
+_FRAME_ALIGN = 64
+"""Where each frame of a ring message starts in the receiver's copy (a dtype never needs more)."""
+POOL_MIN = 64 * 1024
+"""Ring messages with at least this many frame bytes are copied into the receive pool (below
+it a fresh array costs less than the pool's bookkeeping)."""
+RECEIVE_POOL_BYTES = 64 << 20
+"""Size of the receive pool (one per transport, made when first needed)."""
+
+
+class Messages(TransportCore):
+    """The chunk-message methods of :class:`~.ucx.UcxTransport`."""
+
+    def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:
+        """Send a chunk message: opaque ``meta`` plus frames (C-contiguous buffers).
+
+        The frames are borrowed, not copied: keep them unchanged until the transfer settles.
+        Raises at once, before anything is sent: :class:`TypeError` (a key that is not a str,
+        meta that is not bytes, a frame without the buffer protocol), :class:`InvalidMessage`
+        (over a wire limit or the receiver's ``max_message_bytes``), :class:`UnknownPeer`,
+        :class:`ClosedError`.
+        """
+        self._check_open()
+        link = self._link(peer_id)
+        views = [_byte_view(frame) for frame in frames]
+        sizes = [int(view.nbytes) for view in views]
+        check_message(key, meta, sizes, link.peer.max_message_bytes)
+        transfer = self._new_transfer(link, sum(sizes), "messages")
+        payload = [view for view in views if view.nbytes]
+        post = partial(self._post_message, link, transfer.id, key, meta, sizes, payload)
+        carry_out(link.outbox.submit(transfer.id, [(1 if payload else 0, transfer.nbytes, post)]))
+        return transfer
+
+    def _post_message(
+        self, link: PeerLink, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
+    ) -> None:
+        message = (transfer_id, key, meta, sizes, payload)
+        if link.ring_out is not None and not link.parked:
+            outcome = self._ring_message(link, message)
+            if outcome == "sent":
+                return
+            if outcome == "full" and self._may_park(link, 1):
+                link.parked.append(message)
+                return
+        elif link.parked and self._may_park(link, len(link.parked) + 1):
+            link.parked.append(message)  # behind the messages waiting for room in the ring
+            return
+        self._lane_message(link, message)
+
+    def _lane_message(self, link: PeerLink, message: Message) -> None:
+        transfer_id, key, meta, sizes, payload = message
+        seq = link.outbox.take_seq(1)
+        header = MessageHeader(transfer_id, seq, key, meta, sizes)
+        on_sent = partial(self._sent, link, transfer_id)
+        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
+        if payload:
+            link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
+
+    @staticmethod
+    def _may_park(link: PeerLink, waiting: int) -> bool:
+        """A message may wait for room in the ring only while some other transfer awaits an
+        answer: the answers free room (and run :meth:`_unpark`), so a wait always ends."""
+        return len(link.sent) > waiting
+
+    def _unpark(self, link: PeerLink) -> None:
+        """Post the messages waiting for room in the ring, in order, as far as it has room;
+        through the lane once nothing else is awaited (or the ring is gone)."""
+        parked = link.parked
+        while parked:
+            message = parked[0]
+            transfer_id = message[0]
+            if transfer_id not in link.sent:  # settled while it waited: never sent, so no Ack
+                parked.popleft()  # will free its window share: release it here
+                carry_out(link.outbox.withdraw(transfer_id))
+                continue
+            outcome = self._ring_message(link, message) if link.ring_out is not None else "lane"
+            if outcome == "full" and self._may_park(link, len(parked)):
+                return
+            parked.popleft()
+            if outcome != "sent":
+                self._lane_message(link, message)
+
+    def _ring_message(self, link: PeerLink, message: Message) -> str:
+        """Put a chunk message (header and frames, one record) into the peer's ring.  Returns
+        ``"sent"`` (or failed: the peer broke the ring and is dropped), ``"full"`` (no room
+        now) or ``"lane"`` (too large, or the ring is gone: send it over UCX)."""
+        ring = link.ring_out
+        transfer_id, key, meta, sizes, payload = message
+        if ring is None:
+            return "lane"
+        data = encode_header(MessageHeader(transfer_id, link.outbox.take_seq(0), key, meta, sizes))
+        if len(data) + sum(sizes) > ring.max_payload:
+            return "lane"
+        try:
+            if ring.send(KIND_MESSAGE, [data, *payload]):  # flat uint8 frames: no memoryview each
+                if link.ring_in is not None:
+                    link.ring_in.kick()  # spin for the answer rather than sleep
+                return "sent"
+        except RingError as exc:
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
+            self._drop(link, exc)
+            return "sent"
+        if ring.broken is not None:
+            self._drop_ring_out(link)
+            return "lane"
+        return "full"
+
+    def _on_message(self, link: PeerLink, hdr: MessageHeader) -> None:
+        try:
+            nbytes = validate_message(hdr, self.config.max_message_bytes)
+        except ProtocolError as exc:
+            self._drop(link, exc)
+            return
+        if not self._admit(link, hdr.seq, 1 if nbytes else 0, nbytes):
+            return
+        frames = [np.empty(size, np.uint8) for size in hdr.frames]
+        receiving = [frame for frame in frames if frame.nbytes]
+        deliver = partial(self._deliver, link, hdr, frames, nbytes)
+        if receiving:
+            self._expect(link, hdr.seq, receiving, deliver)  # one message scattered over the frames
+        else:
+            deliver(None)
+
+    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview) -> None:
+        """A chunk message whose frames follow its header in a ring record: copy them out
+        (the record is valid only during this call) and deliver.  Raises ProtocolError.
+
+        One allocation for all the frames, each copied once into its own 64-byte aligned
+        slice of it (a sink that keeps one frame keeps the message's bytes alive): from the
+        receive pool for messages of ``POOL_MIN`` bytes or more (memory that stays mapped,
+        reused once the frames are dropped), else a fresh array."""
+        nbytes = validate_message(hdr, self.config.max_message_bytes)
+        offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
+        if offset + nbytes != len(record):
+            raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
+        link.inbox.admit(hdr.seq, 0, nbytes)
+        slots = [-(-size // _FRAME_ALIGN) * _FRAME_ALIGN for size in hdr.frames]
+        total = sum(slots)
+        body = None
+        if nbytes >= POOL_MIN:
+            if self._pool is None:
+                self._pool = ReceivePool(RECEIVE_POOL_BYTES)
+            body = self._pool.take(total)
+        if body is None:
+            body = np.empty(total, np.uint8)
+        out = body.data
+        frames, start = [], 0
+        for size, slot in zip(hdr.frames, slots, strict=True):
+            out[start : start + size] = record[offset : offset + size]
+            frames.append(body[start : start + size])
+            offset += size
+            start += slot
+        self._deliver(link, hdr, frames, nbytes, None, ring=True)
+
+    def _deliver(
+        self, link: PeerLink, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None,
+        *, ring: bool = False,
+    ) -> None:
+        """Hand a received message to the sink and answer it: when the sink returns (from a
+        ring batch, ``ring``: with the batch's other acknowledgements, see :meth:`_flush_acks`),
+        or when the awaitable it returned completes."""
+        link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
+        transfer_id = hdr.transfer_id
+        if error is not None or self._links.get(link.peer.peer_id) is not link:
+            self._answer(link, transfer_id, "messages", nbytes, error)  # a leaving or removed peer's: not acknowledged
+            return
+        sink = self.message_sink
+        if sink is None:
+            self._answer(link, transfer_id, "messages", nbytes, TransferFailed("the receiver takes no messages"))
+            return
+        try:
+            pending = sink(link.peer.peer_id, hdr.key, hdr.meta, frames)
+        except OmniAsyncError as exc:
+            self._answer(link, transfer_id, "messages", nbytes, exc)
+            return
+        except Exception as exc:  # a sink bug (or its decoder's) fails this message, not the lane
+            log.error("message sink failed on %r from %s", hdr.key, link.peer.peer_id, exc_info=exc)
+            self._answer(link, transfer_id, "messages", nbytes, TransferFailed(f"the receiver failed: {exc!r}"))
+            return
+        if pending is not None and inspect.isawaitable(pending):
+            answer = partial(self._answer, link, transfer_id, "messages", nbytes)
+            asyncio.ensure_future(pending).add_done_callback(partial(self._sink_done, answer))
+        elif ring:
+            self.metrics.answered("messages", nbytes, "ok", link.peer.peer_id)
+            link.acks.append(transfer_id)
+            if len(link.acks) >= ACK_BATCH:
+                self._flush_acks(link)
+        else:
+            self._answer(link, transfer_id, "messages", nbytes, None)
+
+    @staticmethod
+    def _sink_done(answer: Callable[[BaseException | None], None], task: asyncio.Future[None]) -> None:
+        if task.cancelled():
+            answer(TransferFailed("the receiver cancelled the message"))
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, OmniAsyncError):
+            log.error("message sink failed", exc_info=error)
+            error = TransferFailed(f"the receiver failed: {error!r}")
+        answer(error)
+
+
+def _byte_view(buffer: Any) -> npt.NDArray[np.uint8]:
+    """A flat uint8 view of a C-contiguous buffer, without copying."""
+    if type(buffer) is np.ndarray and buffer.dtype == _U8 and buffer.ndim == 1 and buffer.flags.c_contiguous:
+        return buffer  # already one (what serde.encode makes of an array)
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise TypeError(f"a frame must support the buffer protocol, got {type(buffer).__name__}") from None
+    if not view.c_contiguous:
+        raise TypeError("a frame must be C-contiguous")
+    return np.frombuffer(view.cast("B") if view.ndim != 1 or view.format != "B" else view, dtype=np.uint8)
