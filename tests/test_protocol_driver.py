@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from omni_async import DeadlineExceeded, OmniAsyncError
-from omni_async.transport.core import DRAIN_TIMEOUT
+from omni_async.transport.peers import DRAIN_TIMEOUT
 from omni_async.wire import HEADER_TAG, MessageHeader, encode_header
 from tests.helpers.rogue import Rogue
 from tests.test_agent import pair

@@ -1,9 +1,9 @@
-"""The transport's core: its links to peers (added, offered rings and keys, removed, drained),
-its transfers in flight (deadlines, settling, cancelling), and what arrives on a lane or a ring
-(headers dispatched by type, payloads matched to their headers, acknowledgements).
+"""The transport's core: its transfers in flight (deadlines, settling, cancelling) and what
+arrives on a lane or a ring (headers dispatched by type, payloads matched to their headers,
+acknowledgements, sent back in batches from a ring).
 
-:class:`TransportCore` holds all of the transport's state; the block writes
-(:mod:`.block_writes`), incoming writes (:mod:`.incoming_writes`) and chunk messages
+:class:`TransportCore` holds all of the transport's state; the peers (:mod:`.peers`), block
+writes (:mod:`.block_writes`), incoming writes (:mod:`.incoming_writes`) and chunk messages
 (:mod:`.messages`) extend it, and :class:`~.ucx.UcxTransport` puts them together.  The
 methods it leaves abstract are the ones the core calls into those parts.
 """
@@ -38,7 +38,6 @@ from ..metrics import Kind, Metrics
 from ..region import BlockRegion, RegionSet, as_region_set
 from ..wire import (
     DATA_KIND,
-    FULL_MASK,
     HEADER_TAG,
     KIND_MASK,
     MAX_HEADER_BYTES,
@@ -50,8 +49,6 @@ from ..wire import (
     DataHeader,
     Goodbye,
     MessageHeader,
-    RingOffer,
-    RkeyOffer,
     WriteRequest,
     decode_header,
     decode_record,
@@ -60,22 +57,18 @@ from ..wire import (
     with_length,
 )
 from .lane import Completion, Lane, new_context
-from .limits import receive_budget
-from .link import MessageSink, PeerLink, Sent, awaits_answer
+from .link import MessageSink, PeerLink, Sent
 from .notices import NoticeQueue, sink_error
 from .pool import ReceivePool
-from .protocol import Deadlines, GiveUp
+from .protocol import GiveUp
 from .ring import RingError
 from .rma import Registration
-from .samehost import KIND_HEADER, KIND_MESSAGE, LINGER, RingReceiver, RingSender
-from .shared import Refused, open_writers
+from .samehost import KIND_HEADER, KIND_MESSAGE
 from .transfer import CancelMode, Transfer
-from .vetting import NotVetted, shared_vetter
+from .vetting import shared_vetter
 
 log = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT = 1.0
-"""Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
 ACK_BATCH = 16
 """Most acknowledgements held back while a ring batch is being taken: enough to spare most
 records and wake-up checks, few enough that the sender's window keeps moving."""
@@ -129,127 +122,6 @@ class TransportCore(ABC):
         None until the first one came."""
         return self._pool
 
-    async def warm_up(self) -> None:
-        """Start the address-vetting child now (about half a second, once per process) rather
-        than inside the first handshake, whose timeout it would eat into."""
-        await asyncio.get_running_loop().run_in_executor(None, self._vetter.warm_up)
-
-    def open_lane(self) -> Lane:
-        """A fresh lane whose address goes into a handshake; pass it to :meth:`add_peer`."""
-        self._check_open()
-        return Lane(self._context, self._loop, close_grace=self.config.lane_close_grace)
-
-    async def connect_lane(self, peer: PeerInfo, lane: Lane) -> None:
-        """Connect ``lane`` to the peer's lane (the first half of adding a peer; :meth:`add_peer`
-        is the second).  The peer's address is vetted first (see :mod:`.vetting`); an unusable
-        one raises :class:`ProtocolError`.  Nothing is added: on failure discard the lane."""
-        self._check_open()
-        lane.check_address(peer.agent_metadata)  # cheap structural check first
-        await self._vetter.check(peer.agent_metadata)
-        lane.connect(peer.agent_metadata)
-        self._check_open()
-
-    def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
-        """Start sending to and receiving from the peer over ``lane`` (connected by
-        :meth:`connect_lane`).  The owner removed any previous link of the peer id first."""
-        self._check_open()
-        if peer.peer_id in self._links:
-            raise RuntimeError(f"peer {peer.peer_id!r} still has a lane")  # the owner's bug
-        link = PeerLink(
-            peer,
-            lane,
-            Deadlines(self.config.transfer_timeout),
-            gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
-            receive_bytes=receive_budget(self.config.max_message_bytes),
-        )
-        if self.config.same_host_lane:
-            link.direct = open_writers(peer, self.host_id)
-        self._links[peer.peer_id] = link
-        lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
-        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
-        lane.on_stray = partial(self._stray_arrived, link)
-        # Acknowledgements come through the ring once there is one: the lane need not spin.
-        lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
-        # Not once removed: a draining lane has no rings left, yet nothing to stay hot for.
-        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None and self._links.get(peer.peer_id) is link
-        self._offer_ring(link)
-        self._offer_keys(link)
-
-    def _offer_ring(self, link: PeerLink) -> None:
-        """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
-        if not (self.config.same_host_lane and self.host_id and link.peer.host_id == self.host_id):
-            return
-        try:
-            ring = RingReceiver(
-                self._loop,
-                partial(self._ring_record, link),
-                partial(self._ring_broke, link),
-                partial(awaits_answer, link),
-                batch_done=partial(self._flush_acks, link),
-            )
-        except OSError as exc:
-            log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
-            return
-        link.ring_in = ring
-        link.lane.send(encode_header(ring.offer()), HEADER_TAG, ignore)
-
-    def _on_ring_offer(self, link: PeerLink, offer: RingOffer) -> None:
-        """The peer offers its ring: send through it from now on (if it can be mapped)."""
-        if link.ring_out is not None or link.ring_in is None:
-            log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
-            return
-        try:
-            link.ring_out = RingSender(offer)
-        except (Refused, OSError, ValueError) as exc:
-            log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
-            return
-        if not link.ring_out.in_this_process:  # its next record may come while we poll
-            link.ring_in.linger = LINGER
-
-    def _offer_keys(self, link: PeerLink) -> None:
-        """Offer a peer without a same-host lane puts into our regions (mapped on first use)."""
-        if not self.config.ucx_puts or link.gather:
-            return
-        if self._registration is None:
-            try:
-                self._registration = Registration(self._context, self._arrays)
-            except OSError as exc:
-                log.warning("regions not mapped for UCX puts, writes to us go as tag messages: %s", exc)
-                return
-        link.lane.send(encode_header(RkeyOffer(list(self._registration.keys))), HEADER_TAG, ignore)
-
-    def _on_rkey_offer(self, link: PeerLink, offer: RkeyOffer) -> None:
-        """The peer offers puts into its regions: vet its keys in a child, then unpack them."""
-        if not self.config.ucx_puts:
-            return  # puts are off here: writes to the peer go as tag messages
-        if link.gather or link.remote_keys is not None or link.keying is not None:
-            log.warning("ignored a remote key offer from %s (a same-host link, or a second one)", link.peer.peer_id)
-            return
-        if len(offer.keys) != len(self._arrays):
-            self._drop(link, ProtocolError(f"{len(offer.keys)} remote keys offered for {len(self._arrays)} regions"))
-            return
-        link.keying = self._loop.create_task(self._take_keys(link, offer.keys), name=f"omni-rkeys-{link.peer.peer_id}")
-
-    async def _take_keys(self, link: PeerLink, keys: list[bytes]) -> None:
-        """Vet the peer's offered keys in a child, then unpack them on its lane: from then on
-        writes to it go as puts.  Keys UCX refuses drop the peer; a check with no verdict (the
-        vetter is saturated or slow) leaves it on tag messages."""
-        try:
-            await self._vetter.check(link.peer.agent_metadata, keys=keys)
-            if self._links.get(link.peer.peer_id) is link:
-                link.remote_keys = link.lane.unpack_keys(keys)
-        except NotVetted as exc:
-            log.warning("peer %s: writes go as tag messages: %s", link.peer.peer_id, exc)
-        except ProtocolError as exc:
-            log.warning("peer %s: %s", link.peer.peer_id, exc)
-            self._drop(link, exc)
-        except PeerLost:
-            pass  # the lane closed meanwhile
-        except OSError as exc:  # the vetting child could not be run: no puts to this peer
-            log.warning("peer %s: remote keys not vetted, writes go as tag messages: %s", link.peer.peer_id, exc)
-        finally:
-            link.keying = None
-
     def _ring_record(self, link: PeerLink, kind: int, payload: memoryview) -> None:
         """One record from the peer's ring (raises ProtocolError: the ring breaks)."""
         header: DataHeader
@@ -298,88 +170,6 @@ class TransportCore(ABC):
         if ring.broken is not None:
             self._drop_ring_out(link)
         return False
-
-    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
-        """Fail the peer's in-flight transfers with ``error`` and close its lane.
-
-        ``orderly`` (the peer is alive: it said goodbye, or this side is closing or removing it)
-        drains the lane first: both sides send a :class:`~omni_async.wire.Goodbye` and close
-        once they have the other's and nothing is pending, so no UCX request is left behind
-        (a send to a peer that stopped progressing could never complete, and would pin the
-        lane's worker).  Draining is bounded by ``DRAIN_TIMEOUT``.  Returns False if unknown.
-        """
-        link = self._links.pop(peer_id, None)
-        if link is None:
-            return False
-        if link.ring_in is not None:
-            # What the peer put into its ring before it was lost counts (an intent above all:
-            # its rows may be changing); acknowledgements settle, nothing is answered.
-            link.ring_in.drain()
-        error = error or PeerLost(f"peer {peer_id!r} removed")
-        for notice in link.notices.lost(error):  # the writes it was sending us fail
-            self.notices.offer(notice, _nothing)
-        link.outbox.clear()
-        link.parked.clear()
-        link.held.clear()
-        link.intents.clear()
-        link.remote_keys = None  # the lane owns them: destroyed before its worker
-        if link.keying is not None:
-            link.keying.cancel()
-            self._keyings.add(link.keying)
-            link.keying.add_done_callback(self._keyings.discard)
-        self._drop_direct(link)
-        self._drop_rings(link)
-        for transfer_id in list(link.sent):
-            self._settle(link, transfer_id, error)
-        if link.timer is not None:
-            link.timer.cancel()
-            link.timer = None
-        if orderly:
-            link.drain.leave()
-            link.lane.send(encode_header(Goodbye()), HEADER_TAG, ignore)
-            task = self._loop.create_task(self._drain_lane(link, error), name=f"omni-drain-{peer_id}")
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
-        else:
-            self._release_link(link, error)
-        return True
-
-    def _release_link(self, link: PeerLink, error: OmniAsyncError) -> None:
-        """Let go of everything a removed peer owned: payload messages whose header never came
-        are taken (truncated into scratch), so UCX is not left holding probed messages nobody
-        received; the buffers announced for it are dropped; its lane closes."""
-        for message in link.inbox.release():
-            link.lane.recv_arrived_many([link.scratch], message, ignore)
-        self.discard_lane(link.lane, error)
-
-    async def _drain_lane(self, link: PeerLink, error: OmniAsyncError) -> None:
-        """Release the lane once the lane protocol says it drained (:class:`.protocol.Drain`:
-        the peer's Goodbye is here and nothing is pending), or after ``DRAIN_TIMEOUT``.
-        Event-driven: the lane reports each progress pass; nothing polls."""
-        lane = link.lane
-        drained = self._loop.create_future()
-
-        def progress() -> None:
-            if link.drain.progress(lane.in_flight):
-                drained.set_result(None)
-
-        lane.on_progress = progress
-        try:
-            progress()  # the peer may have left already, and the Goodbye be sent
-            async with asyncio.timeout(DRAIN_TIMEOUT):
-                await drained
-        except TimeoutError:
-            if link.drain.expire():
-                log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
-        finally:
-            lane.on_progress = None
-            self._release_link(link, error)
-
-    def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
-        """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
-        lane.close(error)
-        self._closing = {other for other in self._closing if not other.released}
-        self._closing.add(lane)
 
     @property
     def ucx_config(self) -> dict[str, str]:
@@ -665,22 +455,6 @@ class TransportCore(ABC):
         if self._links.get(link.peer.peer_id) is link:
             self._send_header(link, Ack(ids[0]) if len(ids) == 1 else Acks(ids), ignore)
 
-    async def close(self) -> None:
-        """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
-        and wait until UCX released them.  Idempotent."""
-        if not self._closed:
-            self._closed = True
-            for peer_id in list(self._links):
-                self.remove_peer(peer_id, ClosedError("transport closed"), orderly=True)
-            self.notices.close()
-        await asyncio.gather(*list(self._drains))
-        await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
-        if self._keyings:
-            await asyncio.wait(list(self._keyings))
-        registration, self._registration = self._registration, None
-        if registration is not None:  # no lane is left to put into the regions
-            registration.close()
-
     def _drop(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Tell the owner to drop the peer of ``link`` (it broke the protocol, or its lane or
         process is gone), unless the link was removed already: what a removed link still
@@ -699,6 +473,10 @@ class TransportCore(ABC):
             raise UnknownPeer(f"no peer {peer_id!r} (known: {sorted(self._links)})") from None
 
     # -- what the other parts provide ------------------------------------------------------
+    @abstractmethod
+    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
+        """Fail the peer's transfers and close its lane (:mod:`.peers`)."""
+
     @abstractmethod
     def _release_held(self, link: PeerLink) -> None:
         """Post the held requests with a notice that may go now (:mod:`.block_writes`)."""
@@ -719,10 +497,6 @@ def _follows_ring(header: DataHeader) -> bool:
     return isinstance(header, Commit | Abort | Goodbye) or (
         isinstance(header, WriteRequest) and header.notice is not None
     )
-
-
-def _nothing() -> None:
-    """Release of a notice with no acknowledgement held (its sender is gone)."""
 
 
 def carry_out(posts: list[Callable[[], None]]) -> None:

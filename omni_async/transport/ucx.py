@@ -30,8 +30,9 @@ has a deadline.  A header that cannot be decoded, or a message over the limits, 
 violation: the transport reports it through ``fault`` and the owner drops the peer.
 
 The transport is put together from one module per concept: :mod:`.link` (what it keeps per
-peer), :mod:`.core` (links, transfers, arrivals), :mod:`.block_writes` (writes and reads,
-sending), :mod:`.incoming_writes` (writes, receiving) and :mod:`.messages` (chunk messages).
+peer), :mod:`.core` (transfers, arrivals), :mod:`.peers` (adding, removing, draining peers),
+:mod:`.block_writes` (writes and reads, sending), :mod:`.incoming_writes` (writes, receiving)
+and :mod:`.messages` (chunk messages).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ from .block_writes import BlockWrites
 from .core import TransportCore
 from .incoming_writes import IncomingWrites
 from .messages import Messages
+from .peers import Peers
 
 
-class UcxTransport(BlockWrites, IncomingWrites, Messages):
+class UcxTransport(Peers, BlockWrites, IncomingWrites, Messages):
     """Data plane of one agent over ``region`` (or a region set: every block index names its
     block in each region, and moves in all of them).  All methods run on the agent's event loop.
 
@@ -71,8 +73,8 @@ class UcxTransport(BlockWrites, IncomingWrites, Messages):
         Ack: TransportCore._on_ack,
         Acks: TransportCore._on_acks,
         WriteRequest: IncomingWrites._on_write,
-        RingOffer: TransportCore._on_ring_offer,
-        RkeyOffer: TransportCore._on_rkey_offer,
+        RingOffer: Peers._on_ring_offer,
+        RkeyOffer: Peers._on_rkey_offer,
         ReadRequest: BlockWrites._on_read,
         Commit: IncomingWrites._on_commit,
         Abort: IncomingWrites._on_abort,

@@ -1,0 +1,270 @@
+"""The transport's peers: a lane opened, vetted and connected, the peer added (a same-host
+ring and our remote keys offered, the peer's taken after vetting), removed (its transfers
+failed, its rings, writer and keys released) and its lane drained with a goodbye, bounded by
+``DRAIN_TIMEOUT``; the transport closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from functools import partial
+
+from ..errors import (
+    ClosedError,
+    OmniAsyncError,
+    PeerLost,
+    ProtocolError,
+)
+from ..handshake import PeerInfo
+from ..wire import (
+    DATA_KIND,
+    FULL_MASK,
+    HEADER_TAG,
+    KIND_MASK,
+    Goodbye,
+    RingOffer,
+    RkeyOffer,
+    encode_header,
+)
+from .core import TransportCore, ignore
+from .lane import Lane
+from .limits import receive_budget
+from .link import PeerLink, awaits_answer
+from .protocol import Deadlines
+from .rma import Registration
+from .samehost import LINGER, RingReceiver, RingSender
+from .shared import Refused, open_writers
+from .vetting import NotVetted
+
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT = 1.0
+"""Seconds an orderly lane close waits for the peer's Goodbye and pending requests."""
+
+
+class Peers(TransportCore):
+    """The peer methods of :class:`~.ucx.UcxTransport` (adding, removing, draining, closing)."""
+
+    async def warm_up(self) -> None:
+        """Start the address-vetting child now (about half a second, once per process) rather
+        than inside the first handshake, whose timeout it would eat into."""
+        await asyncio.get_running_loop().run_in_executor(None, self._vetter.warm_up)
+
+    def open_lane(self) -> Lane:
+        """A fresh lane whose address goes into a handshake; pass it to :meth:`add_peer`."""
+        self._check_open()
+        return Lane(self._context, self._loop, close_grace=self.config.lane_close_grace)
+
+    async def connect_lane(self, peer: PeerInfo, lane: Lane) -> None:
+        """Connect ``lane`` to the peer's lane (the first half of adding a peer; :meth:`add_peer`
+        is the second).  The peer's address is vetted first (see :mod:`.vetting`); an unusable
+        one raises :class:`ProtocolError`.  Nothing is added: on failure discard the lane."""
+        self._check_open()
+        lane.check_address(peer.agent_metadata)  # cheap structural check first
+        await self._vetter.check(peer.agent_metadata)
+        lane.connect(peer.agent_metadata)
+        self._check_open()
+
+    def add_peer(self, peer: PeerInfo, lane: Lane) -> None:
+        """Start sending to and receiving from the peer over ``lane`` (connected by
+        :meth:`connect_lane`).  The owner removed any previous link of the peer id first."""
+        self._check_open()
+        if peer.peer_id in self._links:
+            raise RuntimeError(f"peer {peer.peer_id!r} still has a lane")  # the owner's bug
+        link = PeerLink(
+            peer,
+            lane,
+            Deadlines(self.config.transfer_timeout),
+            gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
+            receive_bytes=receive_budget(self.config.max_message_bytes),
+        )
+        if self.config.same_host_lane:
+            link.direct = open_writers(peer, self.host_id)
+        self._links[peer.peer_id] = link
+        lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
+        lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
+        lane.on_stray = partial(self._stray_arrived, link)
+        # Acknowledgements come through the ring once there is one: the lane need not spin.
+        lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
+        # Not once removed: a draining lane has no rings left, yet nothing to stay hot for.
+        lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None and self._links.get(peer.peer_id) is link
+        self._offer_ring(link)
+        self._offer_keys(link)
+
+    def _offer_ring(self, link: PeerLink) -> None:
+        """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
+        if not (self.config.same_host_lane and self.host_id and link.peer.host_id == self.host_id):
+            return
+        try:
+            ring = RingReceiver(
+                self._loop,
+                partial(self._ring_record, link),
+                partial(self._ring_broke, link),
+                partial(awaits_answer, link),
+                batch_done=partial(self._flush_acks, link),
+            )
+        except OSError as exc:
+            log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)
+            return
+        link.ring_in = ring
+        link.lane.send(encode_header(ring.offer()), HEADER_TAG, ignore)
+
+    def _on_ring_offer(self, link: PeerLink, offer: RingOffer) -> None:
+        """The peer offers its ring: send through it from now on (if it can be mapped)."""
+        if link.ring_out is not None or link.ring_in is None:
+            log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
+            return
+        try:
+            link.ring_out = RingSender(offer)
+        except (Refused, OSError, ValueError) as exc:
+            log.warning("peer %s: no same-host ring, headers go through UCX (%s)", link.peer.peer_id, exc)
+            return
+        if not link.ring_out.in_this_process:  # its next record may come while we poll
+            link.ring_in.linger = LINGER
+
+    def _offer_keys(self, link: PeerLink) -> None:
+        """Offer a peer without a same-host lane puts into our regions (mapped on first use)."""
+        if not self.config.ucx_puts or link.gather:
+            return
+        if self._registration is None:
+            try:
+                self._registration = Registration(self._context, self._arrays)
+            except OSError as exc:
+                log.warning("regions not mapped for UCX puts, writes to us go as tag messages: %s", exc)
+                return
+        link.lane.send(encode_header(RkeyOffer(list(self._registration.keys))), HEADER_TAG, ignore)
+
+    def _on_rkey_offer(self, link: PeerLink, offer: RkeyOffer) -> None:
+        """The peer offers puts into its regions: vet its keys in a child, then unpack them."""
+        if not self.config.ucx_puts:
+            return  # puts are off here: writes to the peer go as tag messages
+        if link.gather or link.remote_keys is not None or link.keying is not None:
+            log.warning("ignored a remote key offer from %s (a same-host link, or a second one)", link.peer.peer_id)
+            return
+        if len(offer.keys) != len(self._arrays):
+            self._drop(link, ProtocolError(f"{len(offer.keys)} remote keys offered for {len(self._arrays)} regions"))
+            return
+        link.keying = self._loop.create_task(self._take_keys(link, offer.keys), name=f"omni-rkeys-{link.peer.peer_id}")
+
+    async def _take_keys(self, link: PeerLink, keys: list[bytes]) -> None:
+        """Vet the peer's offered keys in a child, then unpack them on its lane: from then on
+        writes to it go as puts.  Keys UCX refuses drop the peer; a check with no verdict (the
+        vetter is saturated or slow) leaves it on tag messages."""
+        try:
+            await self._vetter.check(link.peer.agent_metadata, keys=keys)
+            if self._links.get(link.peer.peer_id) is link:
+                link.remote_keys = link.lane.unpack_keys(keys)
+        except NotVetted as exc:
+            log.warning("peer %s: writes go as tag messages: %s", link.peer.peer_id, exc)
+        except ProtocolError as exc:
+            log.warning("peer %s: %s", link.peer.peer_id, exc)
+            self._drop(link, exc)
+        except PeerLost:
+            pass  # the lane closed meanwhile
+        except OSError as exc:  # the vetting child could not be run: no puts to this peer
+            log.warning("peer %s: remote keys not vetted, writes go as tag messages: %s", link.peer.peer_id, exc)
+        finally:
+            link.keying = None
+
+    def remove_peer(self, peer_id: str, error: OmniAsyncError | None = None, *, orderly: bool = False) -> bool:
+        """Fail the peer's in-flight transfers with ``error`` and close its lane.
+
+        ``orderly`` (the peer is alive: it said goodbye, or this side is closing or removing it)
+        drains the lane first: both sides send a :class:`~omni_async.wire.Goodbye` and close
+        once they have the other's and nothing is pending, so no UCX request is left behind
+        (a send to a peer that stopped progressing could never complete, and would pin the
+        lane's worker).  Draining is bounded by ``DRAIN_TIMEOUT``.  Returns False if unknown.
+        """
+        link = self._links.pop(peer_id, None)
+        if link is None:
+            return False
+        if link.ring_in is not None:
+            # What the peer put into its ring before it was lost counts (an intent above all:
+            # its rows may be changing); acknowledgements settle, nothing is answered.
+            link.ring_in.drain()
+        error = error or PeerLost(f"peer {peer_id!r} removed")
+        for notice in link.notices.lost(error):  # the writes it was sending us fail
+            self.notices.offer(notice, _nothing)
+        link.outbox.clear()
+        link.parked.clear()
+        link.held.clear()
+        link.intents.clear()
+        link.remote_keys = None  # the lane owns them: destroyed before its worker
+        if link.keying is not None:
+            link.keying.cancel()
+            self._keyings.add(link.keying)
+            link.keying.add_done_callback(self._keyings.discard)
+        self._drop_direct(link)
+        self._drop_rings(link)
+        for transfer_id in list(link.sent):
+            self._settle(link, transfer_id, error)
+        if link.timer is not None:
+            link.timer.cancel()
+            link.timer = None
+        if orderly:
+            link.drain.leave()
+            link.lane.send(encode_header(Goodbye()), HEADER_TAG, ignore)
+            task = self._loop.create_task(self._drain_lane(link, error), name=f"omni-drain-{peer_id}")
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+        else:
+            self._release_link(link, error)
+        return True
+
+    def _release_link(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Let go of everything a removed peer owned: payload messages whose header never came
+        are taken (truncated into scratch), so UCX is not left holding probed messages nobody
+        received; the buffers announced for it are dropped; its lane closes."""
+        for message in link.inbox.release():
+            link.lane.recv_arrived_many([link.scratch], message, ignore)
+        self.discard_lane(link.lane, error)
+
+    async def _drain_lane(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Release the lane once the lane protocol says it drained (:class:`.protocol.Drain`:
+        the peer's Goodbye is here and nothing is pending), or after ``DRAIN_TIMEOUT``.
+        Event-driven: the lane reports each progress pass; nothing polls."""
+        lane = link.lane
+        drained = self._loop.create_future()
+
+        def progress() -> None:
+            if link.drain.progress(lane.in_flight):
+                drained.set_result(None)
+
+        lane.on_progress = progress
+        try:
+            progress()  # the peer may have left already, and the Goodbye be sent
+            async with asyncio.timeout(DRAIN_TIMEOUT):
+                await drained
+        except TimeoutError:
+            if link.drain.expire():
+                log.info("lane to %s closed before it drained (%.1fs)", link.peer.peer_id, DRAIN_TIMEOUT)
+        finally:
+            lane.on_progress = None
+            self._release_link(link, error)
+
+    def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
+        """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
+        lane.close(error)
+        self._closing = {other for other in self._closing if not other.released}
+        self._closing.add(lane)
+
+    async def close(self) -> None:
+        """Fail every in-flight transfer with :class:`ClosedError`, drain and close all lanes
+        and wait until UCX released them.  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for peer_id in list(self._links):
+                self.remove_peer(peer_id, ClosedError("transport closed"), orderly=True)
+            self.notices.close()
+        await asyncio.gather(*list(self._drains))
+        await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
+        if self._keyings:
+            await asyncio.wait(list(self._keyings))
+        registration, self._registration = self._registration, None
+        if registration is not None:  # no lane is left to put into the regions
+            registration.close()
+
+
+def _nothing() -> None:
+    """Release of a notice with no acknowledgement held (its sender is gone)."""
