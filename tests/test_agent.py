@@ -63,6 +63,25 @@ async def test_scattered_and_contiguous_writes_byte_for_byte(make_agent):
     assert np.array_equal(a.region.array[:32], b.region.array[16:48])
 
 
+async def test_a_plan_made_elsewhere_is_written_only_to_the_layout_it_was_made_for(make_agent):
+    """``write_runs`` (the sync facade plans in its caller's thread) writes a plan as
+    ``write_blocks`` would, and refuses one made for another peer layout before any byte moves."""
+    from omni_async.region import plan_runs
+
+    a, b = await pair(make_agent)
+    fill(a)
+    local, remote = [3, 4, 5, 9], [20, 21, 22, 0]
+    runs = plan_runs(local, remote, a.region.num_blocks, b.region.num_blocks)
+    with pytest.raises(InvalidBlocks, match="planned for a peer of 32 blocks"):
+        a.transport.write_runs("b", runs, len(local), remote_blocks=32)
+    assert not b.region.array.any()
+    await asyncio.wait_for(a.transport.write_runs("b", runs, len(local), remote_blocks=b.region.num_blocks), 5)
+    for li, ri in zip(local, remote):
+        assert np.array_equal(b.region.array[ri], a.region.array[li])
+    with pytest.raises(UnknownPeer):
+        a.transport.write_runs("nobody", runs, len(local), remote_blocks=b.region.num_blocks)
+
+
 async def test_many_concurrent_transfers(make_agent):
     a, b = await pair(make_agent, )
     fill(a)

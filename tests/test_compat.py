@@ -699,7 +699,7 @@ def test_a_write_the_agent_refuses_on_the_loop_is_reported_failed(make_transport
     a = make_transport(block_memory(), "refuse-a")
     b = make_transport(block_memory(), "refuse-b")
     a.add_remote_peer("B", *peer_args(b))
-    agent, post = a.agent, a.agent.write_blocks
+    transport, post = a.agent.transport, a.agent.transport.write_runs  # what the loop posts the plan to
     errors = [UnknownPeer("peer 'refuse-b' left meanwhile"), OSError("UCX could not post")]
 
     def refusing(*args: Any, **kwargs: Any) -> Any:  # fault injection around the real agent
@@ -707,7 +707,7 @@ def test_a_write_the_agent_refuses_on_the_loop_is_reported_failed(make_transport
             raise errors.pop(0)
         return post(*args, **kwargs)
 
-    agent.write_blocks = refusing  # type: ignore[method-assign]
+    transport.write_runs = refusing  # type: ignore[method-assign]
     left, broken, fine = (a.write_blocks("B", [i], [i]) for i in range(3))
     assert None not in (left, broken, fine)
     seen = poll_until(a, {left, broken, fine})

@@ -45,7 +45,7 @@ from ..errors import (
     PeerLost,
     TransferFailed,
 )
-from ..region import BlockRegion, config_fingerprint, plan_runs
+from ..region import BlockRegion, Run, config_fingerprint, plan_runs
 from ..transport import CancelMode, Transfer
 from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
 from .portal import Facade, Portal
@@ -167,13 +167,14 @@ class _Engine:
                 self.handles.pop(transfer_id, None)
                 self.settle(transfer_id, error)
 
-    def submit(self, transfer_id: int, core_id: str, local: list[int], remote: list[int]) -> None:
-        """Post write ``transfer_id`` (checked and put in flight by the caller) through the agent;
-        if the agent refuses it now (the peer left meanwhile, the agent is closing), it settles
-        as failed with the agent's reason."""
+    def submit(self, transfer_id: int, core_id: str, runs: list[Run], blocks: int, remote_blocks: int) -> None:
+        """Post write ``transfer_id`` (planned and put in flight by the caller: ``runs`` of
+        ``blocks`` pairs against a peer of ``remote_blocks`` blocks) through the agent's
+        transport; if it refuses it now (the peer left or changed its layout meanwhile, the
+        agent is closing), it settles as failed with the reason."""
         assert self.agent is not None
         try:
-            transfer = self.agent.write_blocks(core_id, local, remote)
+            transfer = self.agent.transport.write_runs(core_id, runs, blocks, remote_blocks=remote_blocks)
         except OmniAsyncError as exc:
             self.settle(transfer_id, exc)
             return
@@ -424,7 +425,9 @@ class SyncDataTransport(Facade):
         ``peer_id`` is not registered (or its connection is gone) or the indices are invalid
         (see :attr:`last_error`).  A write the agent refuses once on the loop (the peer left
         in between) surfaces in :meth:`poll` as failed, with :meth:`failure_reason`.  The index
-        lists are copied.  Raises :class:`ClosedError` after :meth:`close`.
+        lists are planned here (:func:`~omni_async.region.plan_runs`, once per write) and the
+        plan handed to the loop: the caller may reuse them at once.  Raises
+        :class:`ClosedError` after :meth:`close`.
         """
         engine, portal = self._engine, self._portal
         local, remote = list(local_idxs), list(remote_idxs)
@@ -435,15 +438,16 @@ class SyncDataTransport(Facade):
             if core_id is None or not joined:
                 self._last_error = PeerLost(f"peer {peer_id!r} is not registered or not connected")
                 return None
+            remote_blocks = engine.sizes[core_id]
             try:
-                plan_runs(local, remote, self.num_blocks, engine.sizes[core_id])
+                runs = plan_runs(local, remote, self.num_blocks, remote_blocks)
             except OmniAsyncError as exc:
                 refused = exc
             else:
                 transfer_id = next(engine.ids)
                 engine.inflight[transfer_id] = peer_id
                 try:
-                    portal.post(engine.submit, transfer_id, core_id, local, remote)
+                    portal.post(engine.submit, transfer_id, core_id, runs, len(local), remote_blocks)
                 except ClosedError:
                     del engine.inflight[transfer_id]
                     raise

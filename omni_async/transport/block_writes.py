@@ -80,6 +80,22 @@ class BlockWrites(TransportCore):
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
         return self._write_runs(link, runs, len(local_idxs), notice)
 
+    def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:
+        """:meth:`write_blocks` of a plan made already: ``runs`` from
+        :func:`~omni_async.region.plan_runs` over ``blocks`` index pairs, checked against this
+        region and a peer of ``remote_blocks`` blocks (the sync facade plans in its caller's
+        thread, to refuse bad indices there, and hands the plan over: one plan per write).
+
+        Raises :class:`InvalidBlocks` if the peer's region no longer has ``remote_blocks``
+        blocks (it rejoined with another layout), and what :meth:`write_blocks` raises."""
+        self._check_open()
+        link = self._link(peer_id)
+        if link.peer.num_blocks != remote_blocks:
+            raise InvalidBlocks(
+                f"planned for a peer of {remote_blocks} blocks; peer {peer_id!r} now has {link.peer.num_blocks}"
+            )
+        return self._write_runs(link, runs, blocks, None)
+
     def _write_runs(self, link: PeerLink, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:
         """Write checked runs (``local``: our rows, ``remote``: the peer's) to the peer."""
         block_bytes = self.regions.block_bytes
