@@ -146,10 +146,12 @@ def test_chunk_check_is_exact_and_cheap() -> None:
     hidden = chunk["hidden"].copy()
     hidden[7, 5] = np.float16(0.5)
     assert not chunk_ok({**chunk, "hidden": hidden}, 3, 1, 144)
-    start = time.perf_counter()
-    for _ in range(20):
+    best = float("inf")
+    for _ in range(20):  # the fastest of 20: a call preempted by another test's process says nothing
+        start = time.perf_counter()
         chunk_ok(chunk, 3, 1, 144)
-    assert (time.perf_counter() - start) / 20 < 100e-6
+        best = min(best, time.perf_counter() - start)
+    assert best < 100e-6
 
 
 def test_compare_lists_every_run_and_meets_a_target_only_if_every_run_met(tmp_path: Path) -> None:
