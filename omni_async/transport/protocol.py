@@ -257,13 +257,17 @@ class Deadlines:
     transfer.  A transfer settled otherwise is :meth:`settle`-d and never expires; the timer is
     not moved for that: it goes off at the time it was armed for, expires nothing, and is
     armed again at the next deadline (so a busy lane costs one timer per ``timeout``, not one
-    per transfer).
+    per transfer).  The timer is armed :attr:`slack` after that deadline, so the transfers
+    that start within ``slack`` of each other expire together, in one firing, however slowly
+    the loop started them: a transfer expires no sooner than its deadline and at most
+    ``slack`` (2 % of ``timeout``, at most 50 ms) after it.
     """
 
-    __slots__ = ("_armed", "_due", "timeout")
+    __slots__ = ("_armed", "_due", "slack", "timeout")
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
+        self.slack = min(timeout * 0.02, 0.05)
         self._due: dict[int, float] = {}  # transfer id -> deadline, in start order
         self._armed: float | None = None  # when the driver's timer goes off; None: not armed
 
@@ -275,8 +279,8 @@ class Deadlines:
         self._due[transfer_id] = deadline = now + self.timeout
         if self._armed is not None:
             return None
-        self._armed = deadline
-        return deadline
+        self._armed = deadline + self.slack
+        return self._armed
 
     def settle(self, transfer_id: int) -> None:
         """The transfer settled otherwise: it never expires (unknown ids are ignored)."""
@@ -302,7 +306,8 @@ class Deadlines:
         by the time the timer was armed for: a loop may run a timer a little early) and when to
         arm the timer next (None: nothing is left to expire, leave it unarmed)."""
         expired = self.expired(now if self._armed is None else max(now, self._armed))
-        self._armed = self.next_deadline()
+        deadline = self.next_deadline()
+        self._armed = None if deadline is None else deadline + self.slack
         return expired, self._armed
 
 
