@@ -1,6 +1,6 @@
 """What the transport keeps per peer (:class:`PeerLink`) and per transfer in flight
 (:class:`Sent`), and the types of chunk messages.  No I/O: plain records that the transport's
-parts (:mod:`.core`, :mod:`.block_writes`, :mod:`.incoming_writes`, :mod:`.messages`) read and
+parts (:mod:`.core`, :mod:`.peers`, :mod:`.block_writes`, :mod:`.incoming_writes`, :mod:`.messages`) read and
 update on the event loop.
 """
 
