@@ -253,8 +253,9 @@ def _single_run(
     local_idxs: Sequence[int], remote_idxs: Sequence[int], local_blocks: int, remote_blocks: int
 ) -> Run | None:
     """The one run of two lists of Python ints that count up by one from in-range starts (a
-    contiguous write: its plan in C-speed comparisons, 256 pairs 23 -> 4 µs right after a large
-    copy), else None (the caller's loop plans, and rejects, everything else)."""
+    contiguous write: its plan in C-speed comparisons, 256 pairs 23-34 -> 9-11 µs, or 58-64 ->
+    28-30 µs right after a large copy), else None (the caller's loop plans, and rejects,
+    everything else)."""
     count = len(local_idxs)
     if count < 2 or type(local_idxs) is not list or type(remote_idxs) is not list:
         return None

@@ -430,7 +430,7 @@ class SyncDataTransport(Facade):
         :class:`ClosedError` after :meth:`close`.
         """
         engine, portal = self._engine, self._portal
-        local, remote = list(local_idxs), list(remote_idxs)
+        local, remote = list(local_idxs), list(remote_idxs)  # lists: a contiguous write plans as one run at once
         with portal.lock:
             portal.check_open()
             core_id = engine.peers.get(peer_id)

@@ -1,7 +1,8 @@
 """The lane protocol's state, free of I/O: events in, actions out.
 
-A lane driver (:mod:`.core` and the parts of :mod:`.ucx`) reports what happened (a header was handled, a payload message
-arrived, an answer came, a cancel was asked for, its timer went off, the lane made progress)
+A lane driver (:mod:`.core` and the other parts of :mod:`.ucx`) reports what happened (a
+header was handled, a payload message arrived, an answer came, a cancel was asked for, its
+timer went off, the lane made progress)
 and carries out what it is told (receive this message into these buffers, post this request,
 send an Abort, settle that transfer, arm the timer, release the lane, drop the peer).  The
 receiver's side is :class:`Inbox` (payload messages matched to the headers that announced
