@@ -2,9 +2,9 @@
 
 A lane driver (:mod:`.core` and the other parts of :mod:`.ucx`) reports what happened (a
 header was handled, a payload message arrived, an answer came, a cancel was asked for, its
-timer went off, the lane made progress)
-and carries out what it is told (receive this message into these buffers, post this request,
-send an Abort, settle that transfer, arm the timer, release the lane, drop the peer).  The
+timer went off, the lane made progress) and carries out what it is told (receive this message
+into these buffers, post this request, send an Abort, settle that transfer, arm the timer,
+release the lane, drop the peer).  The
 receiver's side is :class:`Inbox` (payload messages matched to the headers that announced
 them, within bounds); the sender's is :class:`Outbox` (sequence numbers, requests waiting for
 the receiver's :class:`~.limits.Window`, answers awaited per transfer, what a cancel or a
