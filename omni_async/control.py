@@ -125,6 +125,7 @@ class ControlPlane:
         self._handshakes: dict[bytes, asyncio.Task[None]] = {}  # hellos being handled, by ident
         self._admitting: dict[str, asyncio.Task[None]] = {}  # peer id -> the handshake admitting it
         self._queued: dict[str, asyncio.Task[None]] = {}  # peer id -> one handshake waiting for it
+        self._dialling: set[zmq.asyncio.Socket] = set()  # DEALERs awaiting a handshake's answer
         self._owners: dict[str, str] = {}  # peer id -> the CURVE public key that first used it
         self._closed = False
 
@@ -207,12 +208,15 @@ class ControlPlane:
             dealer.connect(endpoint)
             hello = encode_control(self.identity.hello(agent_metadata))
             hello_sent = True
+            self._dialling.add(dealer)
             try:  # the send too: a DEALER whose connection was refused (CURVE) blocks on send
                 reply = await asyncio.wait_for(self._exchange(dealer, hello), self.config.handshake_timeout)
             except TimeoutError:
                 raise HandshakeTimeout(
                     f"no answer from {address} within {self.config.handshake_timeout}s"
                 ) from None
+            finally:
+                self._dialling.discard(dealer)
             msg = decode_control(reply)
             if isinstance(msg, Reject):
                 hello_sent = False  # refused: the far side keeps nothing
@@ -428,6 +432,22 @@ class ControlPlane:
                     self._lose(peer_id, PeerLost(f"peer {peer_id!r} silent for {timeout}s"))
                 else:
                     self._send_nowait(peer, _HEARTBEAT)
+            self._nudge()
+
+    def _nudge(self) -> None:
+        """Have every control socket look at its queue once: a wake-up lost on the way costs
+        at most one heartbeat interval.
+
+        zmq.asyncio wakes a waiting receive through libzmq's edge-triggered descriptor.  Should
+        an edge be lost (pyzmq issue 2173 reports multi-second receive stalls on sockets that
+        share a loop with other descriptors), the socket would sleep until its next message:
+        for a handshake, whose answer is the only message coming, past its timeout.  Reading
+        ``EVENTS`` on a zmq.asyncio socket schedules its waiting receive when a message is
+        queued (a few microseconds per socket, once per interval)."""
+        sockets = [self._router, *self._dialling, *(peer.dealer for peer in self._peers.values())]
+        for sock in sockets:
+            if sock is not None and not sock.closed:
+                sock.get(zmq.EVENTS)
 
     # -- peer table ------------------------------------------------------------------------------
     def _lose(self, peer_id: str, error: OmniAsyncError, *, orderly: bool = False) -> None:

@@ -152,6 +152,36 @@ async def test_handshake_timeout(make_agent):
     assert a.peers == {}
 
 
+def deafen(sock: zmq.asyncio.Socket) -> None:
+    """Fault injection: the loop stops watching ``sock``'s descriptor, as if every wake-up of
+    it were lost; only a look at its ``EVENTS`` can still deliver what it queued."""
+    loop = asyncio.get_running_loop()
+    sock._get_loop()  # registers the socket's reader, if nothing did yet
+    assert loop.remove_reader(sock.FD)
+
+
+async def test_a_handshake_completes_when_the_wake_ups_of_its_sockets_are_lost(make_agent):
+    """Both ends deaf (the listener's ROUTER, the dialler's DEALER): the heartbeat tick's look
+    at each control socket delivers the hello and the answer within a few intervals, not never."""
+    a = await make_agent(peer_id="a", heartbeat_interval=0.05, heartbeat_timeout=2.0, handshake_timeout=3.0)
+    b = await make_agent(peer_id="b", heartbeat_interval=0.05, heartbeat_timeout=2.0)
+    deafen(b.control._router)
+    make_socket = a.control._socket
+
+    def deaf_socket(kind: int) -> zmq.asyncio.Socket:
+        sock = make_socket(kind)
+        deafen(sock)
+        return sock
+
+    a.control._socket = deaf_socket  # the DEALER of the next dial
+    started = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(a.connect(b.control_address), 5) == "b"
+    assert asyncio.get_running_loop().time() - started < 1.0
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    await asyncio.sleep(0.5)  # heartbeats reach the deaf sockets too: nobody is dropped
+    assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
 async def test_duplicate_connect_rejected(make_agent):
     a, b = await pair(make_agent)
     with pytest.raises(HandshakeRejected, match="already connected"):
