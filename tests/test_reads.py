@@ -132,3 +132,31 @@ async def test_source_killed_mid_read_fails_awaiters_in_time_and_spares_other_ro
     assert all(isinstance(r, PeerLost) for r in failures), {type(r) for r in failures}
     assert time.monotonic() - killed < FAST["heartbeat_timeout"] + 2.0
     assert (a.region.array[32:] == 7).all()
+
+
+async def test_a_caller_awaiting_reads_that_settle_at_once_does_not_starve_the_loop(make_agent):
+    """Reads from a mapped peer settle before ``read_blocks`` returns; awaiting them in a loop
+    for longer than the heartbeat timeout still lets the loop run: timers fire, heartbeats
+    flow, both sides keep the pair."""
+    a, b = await pair(make_agent, True)
+    read = a.read_blocks("b", [1], [2])
+    assert read.done()  # the case at hand: settled on return
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0.01)
+            turns += 1
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        until = time.monotonic() + FAST["heartbeat_timeout"] * 1.5
+        reads = 0
+        while time.monotonic() < until:
+            await a.read_blocks("b", [1], [2])
+            reads += 1
+    finally:
+        ticking.cancel()
+    assert reads > 100 and turns >= 50  # 10 ms timers kept firing (~150 if never delayed)
+    assert "b" in a.peers and "a" in b.peers  # neither side went silent

@@ -85,6 +85,10 @@ class Transfer:
             self._callbacks.append(callback)
 
     def __await__(self) -> Generator[Any, None, None]:
+        """Wait until settled; raise its error, if any.  Always gives the loop a turn, even
+        for a transfer settled before it was awaited (a read from a mapped peer, an empty
+        write): a caller awaiting such transfers in a loop would otherwise never let the loop
+        run (no heartbeats, no timers)."""
         if self._state not in _SETTLED:  # (done(), inline: once per await)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -93,6 +97,8 @@ class Transfer:
             finally:
                 if self._state not in _SETTLED:  # the awaiter was cancelled: forget its future
                     self._waiters.remove(waiter)
+        else:
+            yield  # a bare yield: the task comes back on the loop's next turn (as asyncio.sleep(0))
         if self._error is not None:
             raise self._error
 
