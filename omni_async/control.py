@@ -447,7 +447,10 @@ class ControlPlane:
         sockets = [self._router, *self._dialling, *(peer.dealer for peer in self._peers.values())]
         for sock in sockets:
             if sock is not None and not sock.closed:
-                sock.get(zmq.EVENTS)
+                try:
+                    sock.get(zmq.EVENTS)
+                except zmq.ZMQError:  # going away meanwhile: nothing to deliver, and the tick goes on
+                    pass
 
     # -- peer table ------------------------------------------------------------------------------
     def _lose(self, peer_id: str, error: OmniAsyncError, *, orderly: bool = False) -> None:
