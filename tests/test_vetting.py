@@ -71,6 +71,46 @@ async def test_servers_are_retired_and_legitimate_checks_keep_passing():
         await asyncio.get_running_loop().run_in_executor(None, vetter.close)
 
 
+async def test_a_zygote_busy_in_another_thread_does_not_block_the_loop():
+    """The vetter is shared by every loop of a process: while another thread holds the zygote
+    (a restart takes as long as a Python start), a check that needs a new server waits for it
+    off the loop, and the loop keeps running its other callbacks meanwhile."""
+    import threading
+
+    vetter = AddressVetter("^cma", "lo", workers=1)
+    try:
+        good, bad = real_address(), crashing(real_address())
+        await vetter.check(good, timeout=30)  # starts the zygote and a first server
+        with pytest.raises(ProtocolError):
+            await vetter.check(bad, timeout=30)  # kills it (and the fresh one it retries on)
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with vetter._zygote_start:
+                held.set()
+                release.wait(3)  # bounded: the loop it would block is the one to release it
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            held.wait(5)
+            check = asyncio.ensure_future(vetter.check(good, timeout=10))  # needs a new server
+            loop, longest = asyncio.get_running_loop(), 0.0
+            until = loop.time() + 0.6
+            while loop.time() < until:
+                before = loop.time()
+                await asyncio.sleep(0.01)
+                longest = max(longest, loop.time() - before)
+            assert not check.done()  # it waits for the zygote ...
+            assert longest < 0.3  # ... without holding the loop
+        finally:
+            release.set()
+            holder.join(5)
+        await asyncio.wait_for(check, 10)  # and passes once the zygote is free
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, vetter.close)
+
+
 async def test_remote_keys_are_unpacked_in_the_child_first():
     """A peer's packed remote keys are unpacked on an endpoint to its address in a vetting
     child (UCX trusts them: it attaches the shared memory segments they name): a real key

@@ -17,7 +17,8 @@ Bounded, so that a flood of crash-inducing addresses cannot hold up legitimate h
 * waiting checks are served newest first: under overload the ones whose handshake may still
   succeed go first, and old ones expire instead of delaying everything behind them.
 
-No thread is involved: a check talks to its server through the calling loop's socket methods.
+A check talks to its server through the calling loop's socket methods; only the requests to the
+zygote (a new server, a restart) run in the loop's default executor.
 
 One vetter per process (per UCX setting) serves every agent: it is started on first use and
 stopped at exit.
@@ -63,8 +64,8 @@ class NotVetted(ProtocolError):
 class AddressVetter:
     """Checks addresses in child processes; safe to share between loops and threads.
 
-    Every exchange with a server runs on the checking loop (non-blocking sockets); only
-    starting the zygote blocks, in the loop's default executor.
+    Every exchange with a server runs on the checking loop (non-blocking sockets); what may
+    block, the requests to the zygote and starting it, runs in the loop's default executor.
     """
 
     def __init__(self, tls: str, net_devices: str = "", *, workers: int = WORKERS,
@@ -219,22 +220,33 @@ class AddressVetter:
         return None
 
     async def _new_server(self) -> socket.socket:
-        """A fresh server forked by the zygote, ready to vet."""
+        """A fresh server forked by the zygote, ready to vet.
+
+        The request to the zygote goes from the loop's default executor: it takes the lock
+        that guards the zygote, which another thread may hold for as long as a restart takes
+        (a vetter is shared by every loop of the process), and it restarts a zygote that died
+        meanwhile; neither may block the loop."""
         loop = asyncio.get_running_loop()
-        if not self._zygote_alive():
-            await loop.run_in_executor(None, self._zygote_socket)
         ours, theirs = socket.socketpair()
+
+        def ask_zygote() -> None:  # owns ``theirs``: the forked server has its own copy
+            try:
+                with self._zygote_start:
+                    socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
+            finally:
+                theirs.close()
+
         try:
-            with self._zygote_start:
-                socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
+            # Shielded: a check that gives up meanwhile lets the request finish in its thread
+            # (closing ``theirs`` under it could hand the zygote a reused descriptor); the
+            # server it forks then reads EOF on its socket and exits.
+            await asyncio.shield(loop.run_in_executor(None, ask_zygote))
             ours.setblocking(False)
             if await loop.sock_recv(ours, 1) != OK:
                 raise OSError("address vetting server failed to start")
         except BaseException:
             ours.close()
             raise
-        finally:
-            theirs.close()
         return ours
 
     # -- the zygote ------------------------------------------------------------------------------
