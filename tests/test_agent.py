@@ -176,7 +176,7 @@ async def test_a_handshake_completes_when_the_wake_ups_of_its_sockets_are_lost(m
     a.control._socket = deaf_socket  # the DEALER of the next dial
     started = asyncio.get_running_loop().time()
     assert await asyncio.wait_for(a.connect(b.control_address), 5) == "b"
-    assert asyncio.get_running_loop().time() - started < 1.0
+    assert asyncio.get_running_loop().time() - started < 2.0  # without the look: HandshakeTimeout at 3 s
     await asyncio.wait_for(b.wait_for_peer("a"), 5)
     await asyncio.sleep(0.5)  # heartbeats reach the deaf sockets too: nobody is dropped
     assert set(a.peers) == {"b"} and set(b.peers) == {"a"}

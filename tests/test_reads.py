@@ -158,5 +158,5 @@ async def test_a_caller_awaiting_reads_that_settle_at_once_does_not_starve_the_l
             reads += 1
     finally:
         ticking.cancel()
-    assert reads > 100 and turns >= 50  # 10 ms timers kept firing (~150 if never delayed)
+    assert reads > 100 and turns >= 30  # 10 ms timers kept firing (~150 if never delayed; 0 starved)
     assert "b" in a.peers and "a" in b.peers  # neither side went silent
