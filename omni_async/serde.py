@@ -57,11 +57,11 @@ def encode(payload: Payload) -> tuple[bytes, list[Any]]:
     Raises :class:`TypeError` for a value that cannot travel (and ``ValueError`` for nesting
     beyond :data:`MAX_DEPTH`).  The payload must not change until the send completes.
     """
-    if not isinstance(payload, Mapping):
+    if type(payload) is not dict and not isinstance(payload, Mapping):  # (an ABC check costs more)
         raise TypeError(f"a payload must be a mapping of str to values, got {type(payload).__name__}")
     frames: list[Any] = []
     specs: list[_ArraySpec] = []
-    tree = _encode_value(payload, frames, specs, 0)
+    tree = _encode_mapping(payload, frames, specs, 0)
     try:
         return _encoder.encode(_Header(tree, specs)), frames
     except (OverflowError, msgspec.EncodeError) as exc:  # e.g. an int beyond 64 bits
@@ -130,7 +130,7 @@ def _encode_array(array: npt.NDArray[Any], frames: list[Any], specs: list[_Array
         if wire not in ALLOWED_DTYPES:
             raise TypeError(f"dtype {array.dtype} cannot travel (allowed: {sorted(ALLOWED_DTYPES)})")
         array = np.ascontiguousarray(array, dtype=wire_dtype)  # copies: layout or byte order differ
-    frames.append(array.reshape(-1).view(np.uint8))
+    frames.append(np.frombuffer(array, np.uint8))  # C-contiguous: its bytes, flat, no copy
     specs.append((wire, shape))
     return _frame_ref(_EXT_ARRAY, len(frames) - 1)
 
