@@ -125,7 +125,6 @@ class ControlPlane:
         self._handshakes: dict[bytes, asyncio.Task[None]] = {}  # hellos being handled, by ident
         self._admitting: dict[str, asyncio.Task[None]] = {}  # peer id -> the handshake admitting it
         self._queued: dict[str, asyncio.Task[None]] = {}  # peer id -> one handshake waiting for it
-        self._dialling: set[zmq.asyncio.Socket] = set()  # DEALERs awaiting a handshake's answer
         self._owners: dict[str, str] = {}  # peer id -> the CURVE public key that first used it
         self._closed = False
 
@@ -208,15 +207,12 @@ class ControlPlane:
             dealer.connect(endpoint)
             hello = encode_control(self.identity.hello(agent_metadata))
             hello_sent = True
-            self._dialling.add(dealer)
             try:  # the send too: a DEALER whose connection was refused (CURVE) blocks on send
                 reply = await asyncio.wait_for(self._exchange(dealer, hello), self.config.handshake_timeout)
             except TimeoutError:
                 raise HandshakeTimeout(
                     f"no answer from {address} within {self.config.handshake_timeout}s"
                 ) from None
-            finally:
-                self._dialling.discard(dealer)
             msg = decode_control(reply)
             if isinstance(msg, Reject):
                 hello_sent = False  # refused: the far side keeps nothing
@@ -420,7 +416,7 @@ class ControlPlane:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._lose(peer.info.peer_id, PeerLost(f"control connection to {peer.info.peer_id!r} dropped"))
         finally:
-            monitor.close(linger=0)
+            end_monitor(dealer, monitor)
 
     async def _heartbeat_loop(self) -> None:
         interval, timeout = self.config.heartbeat_interval, self.config.heartbeat_timeout
@@ -432,25 +428,6 @@ class ControlPlane:
                     self._lose(peer_id, PeerLost(f"peer {peer_id!r} silent for {timeout}s"))
                 else:
                     self._send_nowait(peer, _HEARTBEAT)
-            self._nudge()
-
-    def _nudge(self) -> None:
-        """Have every control socket look at its queue once: a wake-up lost on the way costs
-        at most one heartbeat interval.
-
-        zmq.asyncio wakes a waiting receive through libzmq's edge-triggered descriptor.  Should
-        an edge be lost (pyzmq issue 2173 reports multi-second receive stalls on sockets that
-        share a loop with other descriptors), the socket would sleep until its next message:
-        for a handshake, whose answer is the only message coming, past its timeout.  Reading
-        ``EVENTS`` on a zmq.asyncio socket schedules its waiting receive when a message is
-        queued (a few microseconds per socket, once per interval)."""
-        sockets = [self._router, *self._dialling, *(peer.dealer for peer in self._peers.values())]
-        for sock in sockets:
-            if sock is not None and not sock.closed:
-                try:
-                    sock.get(zmq.EVENTS)
-                except zmq.ZMQError:  # going away meanwhile: nothing to deliver, and the tick goes on
-                    pass
 
     # -- peer table ------------------------------------------------------------------------------
     def _lose(self, peer_id: str, error: OmniAsyncError, *, orderly: bool = False) -> None:
@@ -482,6 +459,9 @@ class ControlPlane:
             if task is not current:
                 task.cancel()
         if peer.dealer is not None:
+            # Its monitor first (see end_monitor): the closed DEALER keeps its connection for
+            # the linger, and may still report that it dropped (a goodbye to a dead peer).
+            peer.dealer.disable_monitor()
             peer.dealer.close(linger=_LINGER_MS)  # cancels its pending receive
         return peer
 
@@ -516,6 +496,18 @@ class ControlPlane:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("control task %s failed", task.get_name(), exc_info=task.exception())
+
+
+def end_monitor(sock: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+    """Stop ``sock`` reporting events to ``monitor`` (unless closed: then it was stopped
+    before), then close ``monitor``, in that order.  libzmq reports an event with a blocking
+    send from its I/O thread: one reported after the monitor's reading end closed blocks that
+    thread for good, and with it every socket of the context (measured: after a peer's kill -9
+    its DEALER, lingering to send our goodbye, reported the drop; no handshake of this process
+    got through again)."""
+    if not sock.closed:
+        sock.disable_monitor()
+    monitor.close(linger=0)
 
 
 def _send_now(sock: zmq.asyncio.Socket, payload: bytes, ident: bytes | None = None) -> bool:
