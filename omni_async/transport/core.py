@@ -368,6 +368,7 @@ class TransportCore(ABC):
 
         ``length`` is the announced size when the buffers are shorter (a truncated drain)."""
         announced = sum(buffer.nbytes for buffer in buffers) if length < 0 else length
+        done = partial(_lost_if_broken, link.peer.peer_id, done)
         try:
             take = link.inbox.expect(seq, announced, (buffers, done))
         except ProtocolError as exc:
@@ -497,6 +498,15 @@ def _follows_ring(header: DataHeader) -> bool:
     return isinstance(header, Commit | Abort | Goodbye) or (
         isinstance(header, WriteRequest) and header.notice is not None
     )
+
+
+def _lost_if_broken(peer_id: str, done: Completion, error: BaseException | None) -> None:
+    """A payload receive's completion: UCX failing it (an ``OSError``: the connection reset,
+    the peer died mid-message) means the lane to the peer broke, reported as
+    :class:`PeerLost` as a send to it would be, not as a failure of this side."""
+    if isinstance(error, OSError):
+        error = PeerLost(f"peer {peer_id!r} lost: receive failed: {error}")
+    done(error)
 
 
 def carry_out(posts: list[Callable[[], None]]) -> None:
