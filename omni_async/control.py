@@ -461,7 +461,8 @@ class ControlPlane:
         if peer.dealer is not None:
             # Its monitor first (see end_monitor): the closed DEALER keeps its connection for
             # the linger, and may still report that it dropped (a goodbye to a dead peer).
-            peer.dealer.disable_monitor()
+            if not peer.dealer.closed:
+                peer.dealer.disable_monitor()
             peer.dealer.close(linger=_LINGER_MS)  # cancels its pending receive
         return peer
 
