@@ -408,3 +408,27 @@ async def test_sender_killed_between_copy_and_commit_yields_one_failed_notice(ma
     assert isinstance(notice.failed, PeerLost)
     await asyncio.sleep(0.3)
     assert len(got) == 1  # exactly once
+
+
+async def test_a_payload_receive_ucx_fails_is_the_peers_loss(make_agent):
+    """Fault injection on a real lane: UCX fails the receive of a write's payload (as when
+    the sender dies mid-message: "Connection reset by remote peer").  The write's notice
+    fails with PeerLost, as everything else the peer's death fails, not as a failure of this
+    side (it read TransferFailed "receive failed: ..." before)."""
+    a, b = await pair(make_agent, False)
+    got: list[Notice] = []
+    b.set_notice_sink(got.append)
+    lane = b.transport.links["a"].lane
+    receive = lane.recv_arrived_many
+
+    def reset(buffers, message, done):
+        receive(buffers, message, lambda _error: done(OSError("UCX: Connection reset by remote peer")))
+
+    lane.recv_arrived_many = reset
+    write = a.write_blocks("b", [1, 2], [3, 4], notice=b"cut")
+    async with asyncio.timeout(5):
+        while not got:
+            await asyncio.sleep(0.01)
+    assert isinstance(got[0].failed, PeerLost), got[0].failed
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(write, 5)
