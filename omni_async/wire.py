@@ -265,13 +265,16 @@ class RingOffer(_Msg, tag="ring", frozen=True):
     """A peer on this host offers a ring for the headers this side sends it (see
     :mod:`omni_async.transport.samehost`): the sealed memfd ``fd`` of process ``pid`` named by
     ``token`` holds a ring of ``capacity`` data bytes; ``wake_fd`` is the write end of the pipe
-    it sleeps on."""
+    it sleeps on; large chunk frames may be copied straight into its ``pool``."""
 
     pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
     fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
     token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
     wake_fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
     capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
+    pool: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+    """Bytes of a shared receive pool after the ring in the same memfd (its control line and
+    arena, :class:`~omni_async.transport.pool.SharedPool`); 0: none."""
 
 
 MAX_RKEY_BYTES: Final = 4096

@@ -229,26 +229,73 @@ async def test_ring_message_frames_are_one_aligned_copy(make_agent):
     assert bytes(frames[3]) == bytes(sent[3])  # the ring's later records did not change them
 
 
-async def test_large_ring_messages_land_in_the_receive_pool_and_a_hoarder_gets_copies(make_agent):
-    """Frames of large ring messages are views of the receive pool, reused once the sink's
-    arrays are dropped; a sink that keeps every frame forever fills the pool, and then gets
-    fresh copies: nothing waits for it, every message arrives intact and is acknowledged."""
+async def test_large_ring_messages_land_in_the_shared_pool_and_a_hoarder_gets_copies(make_agent):
+    """Frames of large ring messages are views of the receiver's shared pool, where the sender
+    copied them (the ring carries only the header), reused once the sink's arrays are dropped;
+    a sink that keeps every frame forever fills the shared pool, then the receive pool (frames
+    copied out of the ring), and then gets fresh copies: nothing waits for it, every message
+    arrives intact and is acknowledged."""
     from omni_async.transport.messages import POOL_MIN, RECEIVE_POOL_BYTES
 
     a, b = await pair(make_agent, max_message_bytes=1 << 30)
     kept = []
     b.set_message_sink(lambda peer, key, meta, frames: kept.append(frames))
     size = max(POOL_MIN, 1 << 20)
+    shared = b.transport.links["a"].ring_in.pool
     await asyncio.wait_for(a.send_message("b", "k", b"", [np.full(size, 1, np.uint8)]), 5)
-    pool = b.transport.receive_pool
-    assert pool is not None and pool.taken == 1 and pool.in_use >= size
+    assert shared.taken == 1 and shared.in_use >= size and b.transport.receive_pool is None  # no copy
     kept.clear()
-    assert pool.in_use == 0  # dropped: back in the pool
-    count = RECEIVE_POOL_BYTES // size + 8  # more than the pool holds, all kept by the sink
+    assert shared.in_use == 0  # dropped: back in the pool
+    count = (shared.capacity + RECEIVE_POOL_BYTES) // size + 8  # more than both pools hold, all kept
     transfers = [a.send_message("b", f"k{i}", b"", [np.full(size, i % 251, np.uint8)]) for i in range(count)]
     await asyncio.wait_for(asyncio.gather(*transfers), 30)
     assert len(kept) == count and all((frames[0] == i % 251).all() for i, frames in enumerate(kept))
-    assert pool.fallbacks >= 8 and pool.in_use <= pool.capacity
+    copied = b.transport.receive_pool
+    assert shared.in_use <= shared.capacity and shared.taken > 1
+    assert copied is not None and copied.taken > 1 and copied.fallbacks >= 1  # then fresh arrays
+    kept.clear()  # the room is published on the receiver's next turn (the next message's)
+    taken = shared.taken
+    for i in range(2):
+        await asyncio.wait_for(a.send_message("b", "again", b"", [np.full(size, i, np.uint8)]), 5)
+        assert (kept[i][0] == i).all()
+    assert shared.taken > taken  # the shared pool serves again
+
+
+async def test_a_pooled_message_is_placed_whole_and_aligned_and_is_not_copied_by_the_receiver(make_agent):
+    """Several frames of a pooled message: each lands at a 64-byte aligned offset of one piece
+    of the shared pool, with its exact bytes; empty frames stay empty; the receiver makes no
+    copy of its own."""
+    from omni_async.transport.messages import POOL_MIN
+
+    a, b = await pair(make_agent, max_message_bytes=1 << 30)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append((meta, frames)))
+    frames = [np.arange(POOL_MIN + 3, dtype=np.uint8), np.zeros(0, np.uint8), np.full(1000, 7, np.uint8)]
+    await asyncio.wait_for(a.send_message("b", "k", b"meta", frames), 5)
+    meta, received = got[0]
+    shared = b.transport.links["a"].ring_in.pool
+    assert meta == b"meta" and [f.nbytes for f in received] == [f.nbytes for f in frames]
+    assert all((r == f).all() for r, f in zip(received, frames, strict=True))
+    starts = [r.__array_interface__["data"][0] for r in received if r.nbytes]
+    assert all(start % 64 == 0 for start in starts) and starts[1] - starts[0] == -(-(POOL_MIN + 3) // 64) * 64
+    assert shared.taken == 1 and b.transport.receive_pool is None
+
+
+async def test_a_garbage_pool_tail_drops_the_peer_before_any_copy(make_agent):
+    """A receiver that writes a tail into its shared pool that it could not have published:
+    the sender raises no further (its message fails with PeerLost), drops the peer, and
+    never copies into the pool."""
+    from omni_async.transport.messages import POOL_MIN
+
+    a, b = await pair(make_agent, max_message_bytes=1 << 30)
+    b.set_message_sink(lambda *_: None)
+    ctl = b.transport.links["a"].ring_in.pool._ctl
+    ctl[0] = 1 << 40  # far ahead of anything the sender placed
+    with pytest.raises(PeerLost, match="broke the ring"):
+        await asyncio.wait_for(a.send_message("b", "k", b"", [np.ones(POOL_MIN, np.uint8)]), 5)
+    async with asyncio.timeout(5):
+        while "b" in a.peers:
+            await asyncio.sleep(0.01)
 
 
 async def test_an_idle_pair_runs_no_ring_turns(make_agent):
@@ -483,33 +530,38 @@ async def test_switch_off_leaves_everything_on_ucx(make_agent):
     await asyncio.wait_for(a.write_blocks("b", [1], [2]), 5)
 
 
-async def test_a_message_larger_than_the_ring_goes_over_ucx(make_agent):
-    a, b = await pair(make_agent, max_message_bytes=16 << 20)
+async def test_a_message_larger_than_the_ring_goes_through_the_pool_and_one_larger_than_that_over_ucx(make_agent):
+    a, b = await pair(make_agent, max_message_bytes=80 << 20)
     got = []
     b.set_message_sink(lambda peer, key, meta, frames: got.append(frames[0].nbytes))
     tags = count_header_sends(a.transport.links["b"].lane)
     big = samehost.RING_CAPACITY // 2 + 1
     await asyncio.wait_for(a.send_message("b", "big", b"", [np.ones(big, np.uint8)]), 10)
-    assert got == [big] and HEADER_TAG in tags
+    assert got == [big] and tags == []  # its frames in the shared pool, its header in the ring
+    huge = b.transport.links["a"].ring_in.pool.capacity + 1
+    await asyncio.wait_for(a.send_message("b", "huge", b"", [np.ones(huge, np.uint8)]), 20)
+    assert got == [big, huge] and HEADER_TAG in tags
 
 
 async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
-    """More chunk bytes at once than the ring holds: the excess waits for the answers that
-    free room, in order, instead of taking the lane; every message arrives intact."""
+    """More chunk bytes at once than the ring and the shared pool hold: the excess waits for
+    the answers that free room, in order, instead of taking the lane; every message arrives
+    intact."""
     a, b = await pair(make_agent)
     got = []
     b.set_message_sink(lambda peer, key, meta, frames: got.append((key, int(frames[0][0]))))
     tags = count_header_sends(a.transport.links["b"].lane)
     size = samehost.RING_CAPACITY // 8
-    frames = [np.full(size, i, np.uint8) for i in range(40)]  # 5x the ring
-    transfers = [a.send_message("b", f"k{i}", b"", [frame]) for i, frame in enumerate(frames)]
+    count = 3 * (samehost.RING_CAPACITY + samehost.POOL_BYTES) // size  # 3x the ring and the pool
+    frames = [np.full(size, i, np.uint8) for i in range(7)]
+    transfers = [a.send_message("b", f"k{i}", b"", [frames[i % 7]]) for i in range(count)]
     assert a.transport.links["b"].parked
-    await asyncio.wait_for(asyncio.gather(*transfers), 20)
-    assert got == [(f"k{i}", i) for i in range(40)]
+    await asyncio.wait_for(asyncio.gather(*transfers), 30)
+    assert got == [(f"k{i}", i % 7) for i in range(count)]
     assert tags == [] and not a.transport.links["b"].parked
 
 
-@pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye"])
+@pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye", "pooled", "pool overrun"])
 async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, garbage):
     """A peer that writes garbage into our ring: a typed error, the peer dropped, this
     process keeps serving others."""
@@ -524,6 +576,11 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
         producer.put(samehost.KIND_HEADER, [encode_record(Goodbye())])
     elif garbage == "frames":
         producer.put(samehost.KIND_MESSAGE, [encode_header(MessageHeader(1, 0, "k", b"", [1 << 20]))])
+    elif garbage == "pooled":  # frames in the record of a pooled message
+        producer.put(samehost.KIND_POOLED, [encode_header(MessageHeader(1, 0, "k", b"", [8])), b"x" * 8])
+    elif garbage == "pool overrun":  # more than the room the receiver gave back (all of the pool)
+        too_big = b.transport.links["a"].ring_in.pool.capacity + 64
+        producer.put(samehost.KIND_POOLED, [encode_header(MessageHeader(1, 0, "k", b"", [too_big]))])
     else:
         producer.put(samehost.KIND_HEADER, [b"\xff" * 16])
     ring.wake()
@@ -734,8 +791,13 @@ async def test_lingering_stops_once_it_no_longer_pays_and_is_off_by_default():
 
 
 # -- two processes, kill -9 of either side ----------------------------------------------------------
+POOLED = 256 * 1024
+"""A frame size that travels through the receiver's shared pool (``POOL_MIN`` or more)."""
+
+
 @pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
-async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path):
+@pytest.mark.parametrize("size", [8192, POOLED], ids=["in-ring", "pooled"])
+async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path, size):
     before = dev_shm()
     peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), 16, 4096, {"peer_id": "rx"})
     agent = await make_agent(16, 4096, peer_id="tx")
@@ -745,7 +807,8 @@ async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_
         while link.ring_out is None:
             await asyncio.sleep(0.01)
     token = link.ring_out.token
-    frame = np.ones(8192, np.uint8)
+    assert link.ring_out.pool is not None  # frames of POOLED bytes go through it
+    frame = np.ones(size, np.uint8)
     transfers = []
     started = time.monotonic()
     killed = False
@@ -770,17 +833,23 @@ async def test_receiver_killed_mid_stream_fails_awaiters_and_leaks_nothing(make_
 
 
 @pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
-async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn_peer, tmp_path):
+@pytest.mark.parametrize("size", [8192, POOLED], ids=["in-ring", "pooled"])
+async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn_peer, tmp_path, size):
+    """Also: frames the sender copied into our shared pool and we still hold stay intact and
+    readable after its death (the pool is our memory)."""
     before = dev_shm()
-    agent = await make_agent(16, 4096, peer_id="rx")
-    received = []
-    agent.set_message_sink(lambda peer, key, meta, frames: received.append(key))
-    sender = await spawn_peer("chat", str(tmp_path / "c.memfd"), 16, 4096, {"peer_id": "tx"}, agent.control_address)
+    agent = await make_agent(16, 4096, peer_id="rx", max_message_bytes=1 << 20)
+    received, held = [], []
+    agent.set_message_sink(lambda peer, key, meta, frames: (received.append(key), held.append(frames[0])))
+    sender = await spawn_peer("chat", str(tmp_path / "c.memfd"), 16, 4096, {"peer_id": "tx"}, agent.control_address,
+                              str(size))
     assert sender.info == {"connected": "rx"}
     link = agent.transport.links["tx"]
     async with asyncio.timeout(5):
         while len(received) < 200:
+            del held[:-8]  # keep the last few
             await asyncio.sleep(0.01)
+    assert link.ring_in.pool is not None and (link.ring_in.pool.taken > 0) == (size == POOLED)
     assert link.ring_in is not None and link.ring_in.wakeups > 0
     assert link.ring_in.linger == samehost.LINGER  # a peer in another process: poll for its next record
     mine = link.ring_in.offer().token
@@ -792,6 +861,9 @@ async def test_sender_killed_mid_stream_receiver_keeps_serving(make_agent, spawn
             await asyncio.sleep(0.02)
     assert time.monotonic() - killed_at < FAST["heartbeat_timeout"] + 2.0
     await asyncio.wait_for(sender.proc.wait(), 10)
+    pattern = np.arange(size, dtype=np.uint8)
+    assert held and all((frame == pattern).all() for frame in held[-8:])
+    held.clear()  # pooled frames keep our ring's mapping (and the descriptor mmap holds) until dropped
     gc.collect()
     assert open_fds_to(mine) == [] and pipe not in fd_targets()  # our ring's memfd and pipe: closed
     other = await spawn_peer("serve", str(tmp_path / "o.memfd"), 16, 4096, {"peer_id": "o"})

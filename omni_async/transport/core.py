@@ -63,7 +63,7 @@ from .pool import ReceivePool
 from .protocol import GiveUp
 from .ring import RingError
 from .rma import Registration
-from .samehost import KIND_HEADER, KIND_MESSAGE
+from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -131,10 +131,10 @@ class TransportCore(ABC):
             if handler is not None:
                 handler(self, link, header)
                 return
-        elif kind == KIND_MESSAGE:  # a length-prefixed message header, then its frames
+        elif kind in (KIND_MESSAGE, KIND_POOLED):  # a length-prefixed message header (then its frames)
             header = decode_header(payload)
             if isinstance(header, MessageHeader):
-                self._on_ring_message(link, header, payload)
+                self._on_ring_message(link, header, payload, pooled=kind == KIND_POOLED)
                 return
         else:
             raise ProtocolError(f"ring record of unknown kind {kind}")
@@ -487,8 +487,9 @@ class TransportCore(ABC):
         """Post the chunk messages waiting for room in the peer's ring (:mod:`.messages`)."""
 
     @abstractmethod
-    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview) -> None:
-        """A chunk message taken from the peer's ring (:mod:`.messages`)."""
+    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool) -> None:
+        """A chunk message taken from the peer's ring, its frames in the record or (``pooled``)
+        in our shared pool (:mod:`.messages`)."""
 
 
 def _follows_ring(header: DataHeader) -> bool:

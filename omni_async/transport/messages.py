@@ -1,7 +1,9 @@
 """Chunk messages, both directions: a message (opaque meta and frames) put whole into a
-same-host peer's ring, waiting in order for room in it, or sent over the lane as a header and one
-payload; received ones copied out of the ring (into the receive pool when large) or received
-into fresh arrays, handed to the sink and acknowledged (ring ones in batches).
+same-host peer's ring (a large one's frames copied straight into the peer's shared pool, its
+header into the ring), waiting in order for room in it, or sent over the lane as a header and
+one payload; received ones handed out where they lie (pooled), copied out of the ring (into the
+receive pool when large) or received into fresh arrays, handed to the sink and acknowledged
+(ring ones in batches).
 """
 
 from __future__ import annotations
@@ -32,19 +34,18 @@ from ..wire import (
 from .core import ACK_BATCH, TransportCore, carry_out
 from .limits import check_message
 from .link import Frames, Message, PeerLink
-from .pool import ReceivePool
+from .pool import ReceivePool, frame_slots
 from .ring import RingError
-from .samehost import KIND_MESSAGE
+from .samehost import KIND_MESSAGE, KIND_POOLED, RingSender
 from .transfer import Transfer
 
 log = logging.getLogger(__name__)
 
 _U8 = np.dtype(np.uint8)
-_FRAME_ALIGN = 64
-"""Where each frame of a ring message starts in the receiver's copy (a dtype never needs more)."""
 POOL_MIN = 64 * 1024
-"""Ring messages with at least this many frame bytes are copied into the receive pool (below
-it a fresh array costs less than the pool's bookkeeping)."""
+"""Ring messages with at least this many frame bytes go through a pool: copied by the sender
+into the receiver's shared pool when it has room, else copied out of the ring into the receive
+pool (below it a fresh array costs less than the pool's bookkeeping)."""
 RECEIVE_POOL_BYTES = 64 << 20
 """Size of the receive pool (one per transport, made when first needed)."""
 
@@ -130,10 +131,15 @@ class Messages(TransportCore):
         if ring is None:
             return "lane"
         data = encode_header(MessageHeader(transfer_id, link.outbox.take_seq(0), key, meta, sizes))
-        if len(data) + sum(sizes) > ring.max_payload:
-            return "lane"
+        nbytes = sum(sizes)
         try:
-            if ring.send(KIND_MESSAGE, [data, *payload]):  # flat uint8 frames: no memoryview each
+            if nbytes >= POOL_MIN and ring.pool is not None and self._pooled(ring, data, sizes, payload):
+                sent = True
+            elif len(data) + nbytes > ring.max_payload:
+                return "lane"
+            else:
+                sent = ring.send(KIND_MESSAGE, [data, *payload])  # flat uint8 frames: no memoryview each
+            if sent:
                 if link.ring_in is not None:
                     link.ring_in.kick()  # spin for the answer rather than sleep
                 return "sent"
@@ -145,6 +151,21 @@ class Messages(TransportCore):
             self._drop_ring_out(link)
             return "lane"
         return "full"
+
+    @staticmethod
+    def _pooled(ring: RingSender, data: bytes, sizes: list[int], payload: Frames) -> bool:
+        """Copy the frames into the peer's shared pool and put the header into its ring; False
+        (nothing announced) if either has no room now.  Raises :class:`RingError`."""
+        pool = ring.pool
+        assert pool is not None
+        start = pool.reserve(frame_slots(sizes)[1])
+        if start is None:
+            return False
+        pool.write(start, payload, sizes)
+        if not ring.send(KIND_POOLED, (data,)):
+            return False  # the piece stays free: the next reserve hands out the same one
+        pool.commit()
+        return True
 
     def _on_message(self, link: PeerLink, hdr: MessageHeader) -> None:
         try:
@@ -162,21 +183,31 @@ class Messages(TransportCore):
         else:
             deliver(None)
 
-    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview) -> None:
-        """A chunk message whose frames follow its header in a ring record: copy them out
-        (the record is valid only during this call) and deliver.  Raises ProtocolError.
+    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool) -> None:
+        """A chunk message from a ring record: its frames follow its header in the record (copy
+        them out: the record is valid only during this call), or lie in our shared pool
+        (``pooled``: the pool's next piece, handed out as it is).  Deliver.  Raises
+        ProtocolError.
 
-        One allocation for all the frames, each copied once into its own 64-byte aligned
-        slice of it (a sink that keeps one frame keeps the message's bytes alive): from the
-        receive pool for messages of ``POOL_MIN`` bytes or more (memory that stays mapped,
-        reused once the frames are dropped), else a fresh array."""
+        Every message's frames lie in one piece of memory, each in its own 64-byte aligned
+        slice (a sink that keeps one frame keeps the message's bytes alive): the pooled piece;
+        else, for messages of ``POOL_MIN`` bytes or more, one from the receive pool (memory
+        that stays mapped, reused once the frames are dropped), else a fresh array."""
         nbytes = validate_message(hdr, self.config.max_message_bytes)
         offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
-        if offset + nbytes != len(record):
-            raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {offset + nbytes}")
+        expected = offset + (0 if pooled else nbytes)
+        if expected != len(record):
+            raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {expected}")
         link.inbox.admit(hdr.seq, 0, nbytes)
-        slots = [-(-size // _FRAME_ALIGN) * _FRAME_ALIGN for size in hdr.frames]
-        total = sum(slots)
+        starts, total = frame_slots(hdr.frames)
+        if pooled:
+            pool = link.ring_in.pool if link.ring_in is not None else None
+            if pool is None or not nbytes:
+                raise ProtocolError("a pooled message without a shared pool, or without frames")
+            piece = pool.place(total)
+            self._deliver(link, hdr, [piece[at : at + size] for at, size in zip(starts, hdr.frames, strict=True)],
+                          nbytes, None, ring=True)
+            return
         body = None
         if nbytes >= POOL_MIN:
             if self._pool is None:
@@ -185,12 +216,11 @@ class Messages(TransportCore):
         if body is None:
             body = np.empty(total, np.uint8)
         out = body.data
-        frames, start = [], 0
-        for size, slot in zip(hdr.frames, slots, strict=True):
-            out[start : start + size] = record[offset : offset + size]
-            frames.append(body[start : start + size])
+        frames = []
+        for at, size in zip(starts, hdr.frames, strict=True):
+            out[at : at + size] = record[offset : offset + size]
+            frames.append(body[at : at + size])
             offset += size
-            start += slot
         self._deliver(link, hdr, frames, nbytes, None, ring=True)
 
     def _deliver(

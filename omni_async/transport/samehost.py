@@ -44,6 +44,7 @@ from typing import Final
 from ..errors import ProtocolError
 from ..memfd import SharedSegment
 from ..wire import RingOffer
+from .pool import CONTROL_BYTES, FRAME_ALIGN, PoolWriter, SharedPool
 from .ring import Consumer, Part, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
 from .turns import NextTurn, SpinGate, spin
@@ -56,6 +57,12 @@ KIND_HEADER: Final = 1
 """A record holding one encoded data header."""
 KIND_MESSAGE: Final = 2
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader`, then its frames."""
+KIND_POOLED: Final = 3
+"""A record holding an encoded :class:`~omni_async.wire.MessageHeader` whose frames the
+sender copied into the receiver's shared pool (the next piece, :mod:`.pool`)."""
+POOL_BYTES: Final = (64 << 20) + CONTROL_BYTES
+"""Bytes of each ring's shared receive pool (its control line and arena; pages are touched
+only when used)."""
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping (and the most one
 turn polls: others' callbacks run between two)."""
@@ -97,15 +104,22 @@ class RingReceiver:
         expecting: Callable[[], bool],
         capacity: int = RING_CAPACITY,
         batch_done: Callable[[], None] | None = None,
+        pool_bytes: int = POOL_BYTES,
     ) -> None:
+        if pool_bytes and (pool_bytes <= CONTROL_BYTES or (pool_bytes - CONTROL_BYTES) % FRAME_ALIGN):
+            raise ValueError(f"a shared pool of {pool_bytes} bytes (control line + a multiple of {FRAME_ALIGN})")
         self.capacity = capacity
+        self.pool_bytes = pool_bytes
         self._loop = loop
         self._deliver = deliver
         self._batch_done = batch_done
         self._fault = fault
         self._expecting = expecting
-        self._segment = SharedSegment(ring_size(capacity))
-        self._consumer = Consumer(self._segment.array.data)
+        self._segment = SharedSegment(ring_size(capacity) + pool_bytes)
+        shared = self._segment.array.data
+        self._consumer = Consumer(shared[: ring_size(capacity)])
+        self.pool = SharedPool(shared[ring_size(capacity) :]) if pool_bytes else None
+        """Where the peer copies large chunk frames (:data:`KIND_POOLED` records), or None."""
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._closed = False
         self._next_turn = NextTurn(loop)
@@ -135,6 +149,7 @@ class RingReceiver:
             token=self._segment.token,
             wake_fd=self._write,
             capacity=self.capacity,
+            pool=self.pool_bytes,
         )
 
     @property
@@ -177,6 +192,8 @@ class RingReceiver:
         self.turns += 1
         consumer = self._consumer
         consumer.awake()
+        if self.pool is not None:
+            self.pool.publish()  # the pieces our consumers dropped since the last turn
         try:
             delivered = self._take_batch()
             polling = False
@@ -233,7 +250,7 @@ class RingReceiver:
 
     def _take_batch(self) -> int:
         consumer = self._consumer
-        take, deliver = consumer.take, self._deliver
+        take, commit, deliver = consumer.take, consumer.commit, self._deliver
         delivered = 0
         self._delivering = True
         try:
@@ -252,11 +269,11 @@ class RingReceiver:
                     log.exception("handling a ring record failed")
                 if self._closed:
                     return delivered
+                commit()  # its bytes are free now: before any answer that lets the peer refill
             if delivered and self._batch_done is not None:
                 self._batch_done()
         finally:
             self._delivering = False
-        consumer.commit()
         return delivered
 
     def _expects(self) -> bool:
@@ -277,6 +294,8 @@ class RingReceiver:
         os.close(self._read)
         os.close(self._write)
         self._consumer.release()
+        if self.pool is not None:
+            self.pool.release()  # (pieces still held keep the mapping: they stay valid)
         self._segment.close()
 
 
@@ -290,7 +309,10 @@ class RingSender:
         capacity = offer.capacity
         if capacity & (capacity - 1):
             raise Refused(f"a ring of {capacity} bytes (not a power of two)")
-        mapping = map_memfd(offer.pid, offer.fd, offer.token, ring_size(capacity))
+        pool = offer.pool
+        if pool and (pool <= CONTROL_BYTES or (pool - CONTROL_BYTES) % FRAME_ALIGN):
+            raise Refused(f"a shared pool of {pool} bytes (not a control line and whole frame slots)")
+        mapping = map_memfd(offer.pid, offer.fd, offer.token, ring_size(capacity) + pool)
         try:
             self._wake = open_pipe(offer.pid, offer.wake_fd)
         except BaseException:
@@ -300,8 +322,12 @@ class RingSender:
         self.token = offer.token
         self.in_this_process = offer.pid == os.getpid()
         """The peer that reads this ring runs in this process (it cannot answer while we spin)."""
-        self.producer = Producer(memoryview(mapping))
+        shared = memoryview(mapping)
+        self.producer = Producer(shared[: ring_size(capacity)])
         """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
+        self.pool = PoolWriter(shared[ring_size(capacity) :]) if pool else None
+        """The writer of the peer's shared pool (:data:`KIND_POOLED` records), or None."""
+        shared.release()
         self.max_payload = max_payload(capacity)
         self.broken: OSError | None = None
         """Set once a wake-up failed (the peer closed the ring or exited): stop using it."""
@@ -333,4 +359,6 @@ class RingSender:
         os.close(self._wake)
         self._wake = -1
         self.producer.release()
+        if self.pool is not None:
+            self.pool.release()
         self._mapping.close()

@@ -122,7 +122,7 @@ async def main(argv: list[str]) -> None:
         elif role == "pump":
             await pump(agent, argv[5])
         elif role == "chat":
-            await chat(agent, argv[5])
+            await chat(agent, *argv[5:])
         elif role == "notify":
             await notify(agent, argv[5])
         elif role == "doomed":
@@ -239,11 +239,12 @@ async def pump(agent: Agent, address: str) -> None:
         say({"reconnected": peer})
 
 
-async def chat(agent: Agent, address: str) -> None:
-    """Send chunk messages to the peer at ``address`` from 8 streams until killed."""
+async def chat(agent: Agent, address: str, size: str = "8192") -> None:
+    """Send chunk messages of one ``size``-byte frame (``arange`` modulo 256) to the peer at
+    ``address`` from 8 streams until killed."""
     peer = await agent.connect(address)
     say({"connected": peer})
-    frame = np.arange(8192, dtype=np.uint8)
+    frame = np.arange(int(size), dtype=np.uint8)
 
     async def stream(number: int) -> None:
         while True:
