@@ -108,6 +108,11 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shared memory, else ``process_vm_writev``) instead of through UCX.  Such a peer can write
     any row of this side's region: turn it off unless peers on this host are trusted (see
     docs/reliability.md, "Same-host lane: trust model")."""
+    shared_pool_mib: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 64
+    """MiB of shared memory each same-host peer copies its large chunk messages (64 KiB or
+    more) into, one copy per byte: one pool per such peer, its pages touched when first used
+    and kept while the peer is joined; full or 0: they are copied through the message ring
+    (see docs/tuning.md, "Shared pool").  Needs ``same_host_lane``."""
     ucx_puts: bool = True
     """Write blocks to peers without a same-host lane (``ucx_tls="tcp"``, other hosts) with
     one-sided UCX puts into their registered region, a flush and a ``placed`` header, once the

@@ -261,6 +261,17 @@ async def test_large_ring_messages_land_in_the_shared_pool_and_a_hoarder_gets_co
     assert shared.taken > taken  # the shared pool serves again
 
 
+async def test_without_a_shared_pool_large_messages_are_copied_through_the_ring(make_agent):
+    """``shared_pool_mib = 0`` on the receiver: no pool is offered, a large message's frames
+    travel in its ring record and are copied out into the receive pool."""
+    a, b = await pair(make_agent, max_message_bytes=1 << 30, shared_pool_mib=0)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(frames[0]))
+    assert b.transport.links["a"].ring_in.pool is None and a.transport.links["b"].ring_out.pool is None
+    await asyncio.wait_for(a.send_message("b", "k", b"", [np.full(1 << 20, 5, np.uint8)]), 5)
+    assert (got[0] == 5).all() and b.transport.receive_pool is not None and b.transport.receive_pool.taken == 1
+
+
 async def test_a_pooled_message_is_placed_whole_and_aligned_and_is_not_copied_by_the_receiver(make_agent):
     """Several frames of a pooled message: each lands at a 64-byte aligned offset of one piece
     of the shared pool, with its exact bytes; empty frames stay empty; the receiver makes no
@@ -552,7 +563,7 @@ async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
     b.set_message_sink(lambda peer, key, meta, frames: got.append((key, int(frames[0][0]))))
     tags = count_header_sends(a.transport.links["b"].lane)
     size = samehost.RING_CAPACITY // 8
-    count = 3 * (samehost.RING_CAPACITY + samehost.POOL_BYTES) // size  # 3x the ring and the pool
+    count = 3 * (samehost.RING_CAPACITY + b.transport.links["a"].ring_in.pool.capacity) // size  # 3x both
     frames = [np.full(size, i, np.uint8) for i in range(7)]
     transfers = [a.send_message("b", f"k{i}", b"", [frames[i % 7]]) for i in range(count)]
     assert a.transport.links["b"].parked

@@ -31,6 +31,7 @@ from .core import TransportCore, ignore
 from .lane import Lane
 from .limits import receive_budget
 from .link import PeerLink, awaits_answer
+from .pool import shared_pool_bytes
 from .protocol import Deadlines
 from .rma import Registration
 from .samehost import LINGER, RingReceiver, RingSender
@@ -103,6 +104,7 @@ class Peers(TransportCore):
                 partial(self._ring_broke, link),
                 partial(awaits_answer, link),
                 batch_done=partial(self._flush_acks, link),
+                pool_bytes=shared_pool_bytes(self.config.shared_pool_mib),
             )
         except OSError as exc:
             log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)

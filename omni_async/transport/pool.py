@@ -57,6 +57,11 @@ FRAME_ALIGN: Final = 64
 """Where each frame of a pooled message starts in its piece (a dtype never needs more)."""
 
 
+def shared_pool_bytes(mib: int) -> int:
+    """Bytes of a shared pool with an arena of ``mib`` MiB (its control line included); 0 for none."""
+    return CONTROL_BYTES + (mib << 20) if mib else 0
+
+
 def fit(head: int, tail: int, capacity: int, nbytes: int) -> int | None:
     """The bytes to skip before the next piece of ``nbytes`` (pieces never wrap: when it does
     not fit before the arena's end it starts at 0), or None if the arena has no room for it.

@@ -60,9 +60,6 @@ KIND_MESSAGE: Final = 2
 KIND_POOLED: Final = 3
 """A record holding an encoded :class:`~omni_async.wire.MessageHeader` whose frames the
 sender copied into the receiver's shared pool (the next piece, :mod:`.pool`)."""
-POOL_BYTES: Final = (64 << 20) + CONTROL_BYTES
-"""Bytes of each ring's shared receive pool (its control line and arena; pages are touched
-only when used)."""
 SPIN: Final = 50e-6
 """Seconds a receiver that expects an answer polls its ring before sleeping (and the most one
 turn polls: others' callbacks run between two)."""
@@ -94,6 +91,8 @@ class RingReceiver:
     ``batch_done()`` is called after every batch of records delivered (what they produced can
     be sent together: the transport's batched acknowledgements), also one that a record
     breaking the protocol ends early (for the records before it), unless the ring was closed.
+    ``pool_bytes`` (:func:`~.pool.shared_pool_bytes`; 0: none) adds a shared pool after the
+    ring, offered with it: the peer copies large chunk frames into it (:data:`KIND_POOLED`).
     """
 
     def __init__(
@@ -104,7 +103,7 @@ class RingReceiver:
         expecting: Callable[[], bool],
         capacity: int = RING_CAPACITY,
         batch_done: Callable[[], None] | None = None,
-        pool_bytes: int = POOL_BYTES,
+        pool_bytes: int = 0,
     ) -> None:
         if pool_bytes and (pool_bytes <= CONTROL_BYTES or (pool_bytes - CONTROL_BYTES) % FRAME_ALIGN):
             raise ValueError(f"a shared pool of {pool_bytes} bytes (control line + a multiple of {FRAME_ALIGN})")
