@@ -272,6 +272,60 @@ async def test_messages_round_trip(make_agent):
     assert got == [("a", "r1:0:0", b"hdr", [payload.tobytes(), b"", b"tail"])]
 
 
+def record_sends(lane):
+    """Fault-injection wrapper around a real lane: records the tag of every message it sends."""
+    tags, send, send_iov = [], lane.send, lane.send_iov
+    lane.send = lambda buffer, tag, done: (tags.append(tag), send(buffer, tag, done))[1]
+    lane.send_iov = lambda vector, keep, tag, done: (tags.append(tag), send_iov(vector, keep, tag, done))[1]
+    return tags
+
+
+async def test_a_small_message_over_ucx_is_one_ucx_message_and_a_large_one_two(make_agent):
+    """Over the UCX lane (no same-host lane), a chunk message whose header and frames fit
+    ``WHOLE_MAX`` travels whole on the header tag (one send, no payload message: one hand-off
+    less); a larger one as a header and one payload message.  Both arrive intact; the small
+    one's frames are copied once into one writable allocation, each 64-byte aligned in it."""
+    from omni_async.transport.messages import WHOLE_MAX
+    from omni_async.wire import HEADER_TAG
+
+    a, b = await pair(make_agent, same_host_lane=False, max_message_bytes=1 << 20)
+    got = []
+    b.set_message_sink(lambda peer, key, meta, frames: got.append(frames))
+    tags = record_sends(a.transport.links["b"].lane)
+    small = [np.arange(1000, dtype=np.float32), np.zeros(0, np.uint8), np.frombuffer(b"tail", np.uint8)]
+    await asyncio.wait_for(a.send_message("b", "small", b"m", small), 5)
+    assert tags == [HEADER_TAG]
+    assert [bytes(f) for f in got[0]] == [bytes(f) for f in small]
+    base = got[0][0].__array_interface__["data"][0]
+    assert all((f.__array_interface__["data"][0] - base) % 64 == 0 for f in got[0])
+    assert len({id(f.base) for f in got[0]}) == 1 and all(f.flags.writeable for f in got[0])
+    large = [np.full(WHOLE_MAX, 3, np.uint8)]
+    await asyncio.wait_for(a.send_message("b", "large", b"m", large), 5)
+    assert tags[1] == HEADER_TAG and len(tags) == 3 and tags[2] != HEADER_TAG
+    assert (got[1][0] == 3).all() and got[1][0].nbytes == WHOLE_MAX
+
+
+@pytest.mark.parametrize("garbage", ["not a message", "frames short", "frames long"])
+async def test_a_header_followed_by_garbage_over_ucx_drops_the_peer(make_agent, garbage):
+    """A lane message on the header tag with bytes after its header: only a chunk message may
+    carry them, and exactly its frames' bytes; anything else drops the peer (typed), and this
+    side keeps serving."""
+    from omni_async.transport.core import ignore
+    from omni_async.wire import HEADER_TAG, Ack, MessageHeader, encode_header
+
+    a, b = await pair(make_agent, same_host_lane=False)
+    b.set_message_sink(lambda *_: None)
+    if garbage == "not a message":
+        data = encode_header(Ack(1)) + b"xx"
+    else:
+        data = encode_header(MessageHeader(1, 0, "k", b"", [10])) + b"x" * (9 if garbage == "frames short" else 11)
+    a.transport.links["b"].lane.send(np.frombuffer(data, np.uint8), HEADER_TAG, ignore)
+    await asyncio.wait_for(_until(lambda: "a" not in b.peers), 5)
+    c = await make_agent(peer_id="c", same_host_lane=False)
+    await asyncio.wait_for(c.connect(b.control_address), 5)
+    await asyncio.wait_for(c.send_message("b", "ok", b"", [b"fine"]), 5)
+
+
 async def test_a_sink_that_returns_a_plain_value_acknowledges_at_once(make_agent):
     """A sink's result that is neither None nor awaitable (here: True) counts as handled: the
     message is acknowledged, not left for the sender's deadline."""

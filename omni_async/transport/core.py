@@ -134,7 +134,7 @@ class TransportCore(ABC):
         elif kind in (KIND_MESSAGE, KIND_POOLED):  # a length-prefixed message header (then its frames)
             header = decode_header(payload)
             if isinstance(header, MessageHeader):
-                self._on_ring_message(link, header, payload, pooled=kind == KIND_POOLED)
+                self._on_whole_message(link, header, payload, pooled=kind == KIND_POOLED)
                 return
         else:
             raise ProtocolError(f"ring record of unknown kind {kind}")
@@ -383,6 +383,11 @@ class TransportCore(ABC):
             return  # the lane is closing; liveness is the control plane's job
         try:
             header: DataHeader = decode_header(buffer.data)
+            if buffer.nbytes != 4 + int.from_bytes(buffer.data[:4], "little"):  # frames follow it
+                if not isinstance(header, MessageHeader):
+                    raise ProtocolError(f"a {type(header).__name__} followed by {buffer.nbytes} bytes in all")
+                self._on_whole_message(link, header, buffer.data, batched=False)
+                return
         except ProtocolError as exc:
             self._drop(link, exc)
             return
@@ -487,9 +492,11 @@ class TransportCore(ABC):
         """Post the chunk messages waiting for room in the peer's ring (:mod:`.messages`)."""
 
     @abstractmethod
-    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool) -> None:
-        """A chunk message taken from the peer's ring, its frames in the record or (``pooled``)
-        in our shared pool (:mod:`.messages`)."""
+    def _on_whole_message(
+        self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool = False, batched: bool = True
+    ) -> None:
+        """A chunk message whose header came with its frames: a ring record (``batched``), its
+        frames in it or (``pooled``) in our shared pool, or one lane message (:mod:`.messages`)."""
 
 
 def _follows_ring(header: DataHeader) -> bool:

@@ -1,9 +1,10 @@
 """Chunk messages, both directions: a message (opaque meta and frames) put whole into a
 same-host peer's ring (a large one's frames copied straight into the peer's shared pool, its
-header into the ring), waiting in order for room in it, or sent over the lane as a header and
-one payload; received ones handed out where they lie (pooled), copied out of the ring (into the
-receive pool when large) or received into fresh arrays, handed to the sink and acknowledged
-(ring ones in batches).
+header into the ring), waiting in order for room in it, or sent over the lane, whole as one
+UCX message when small, else as a header and one payload; received ones handed out where they
+lie (pooled), copied out of the ring record or whole lane message (into the receive pool when
+large) or received into fresh arrays, handed to the sink and acknowledged (ring ones in
+batches).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..errors import (
 )
 from ..wire import (
     HEADER_TAG,
+    MAX_HEADER_BYTES,
     MessageHeader,
     data_tag,
     encode_header,
@@ -46,6 +48,11 @@ POOL_MIN = 64 * 1024
 """Ring messages with at least this many frame bytes go through a pool: copied by the sender
 into the receiver's shared pool when it has room, else copied out of the ring into the receive
 pool (below it a fresh array costs less than the pool's bookkeeping)."""
+WHOLE_MAX = MAX_HEADER_BYTES
+"""Lane messages whose encoded header and frames together fit in this go as one UCX message on
+the header tag (the receiver copies the frames out, as from a ring record); larger ones as a
+header and a payload message received straight into the frames (one UCX send and receive more
+each, ~10 µs each over tcp)."""
 RECEIVE_POOL_BYTES = 64 << 20
 """Size of the receive pool (one per transport, made when first needed)."""
 
@@ -91,12 +98,15 @@ class Messages(TransportCore):
 
     def _lane_message(self, link: PeerLink, message: Message) -> None:
         transfer_id, key, meta, sizes, payload = message
-        seq = link.outbox.take_seq(1)
-        header = MessageHeader(transfer_id, seq, key, meta, sizes)
+        seq = link.outbox.take_seq(0)  # the next one: taken below if a payload message follows
+        data = encode_header(MessageHeader(transfer_id, seq, key, meta, sizes))
         on_sent = partial(self._sent, link, transfer_id)
-        link.lane.send(encode_header(header), HEADER_TAG, on_sent)
-        if payload:
-            link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
+        if not payload or len(data) + sum(sizes) <= WHOLE_MAX:
+            link.lane.send_many([np.frombuffer(data, np.uint8), *payload], HEADER_TAG, on_sent)  # whole
+            return
+        link.outbox.take_seq(1)
+        link.lane.send(data, HEADER_TAG, on_sent)
+        link.lane.send_many(payload, data_tag(seq), on_sent)  # all frames in one message
 
     @staticmethod
     def _may_park(link: PeerLink, waiting: int) -> bool:
@@ -183,9 +193,12 @@ class Messages(TransportCore):
         else:
             deliver(None)
 
-    def _on_ring_message(self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool) -> None:
-        """A chunk message from a ring record: its frames follow its header in the record (copy
-        them out: the record is valid only during this call), or lie in our shared pool
+    def _on_whole_message(
+        self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool = False, batched: bool = True
+    ) -> None:
+        """A chunk message whose header came with its frames, in a ring record (``batched``:
+        acknowledged with its ring batch) or one lane message: its frames follow its header
+        (copy them out: the record is valid only during this call), or lie in our shared pool
         (``pooled``: the pool's next piece, handed out as it is).  Deliver.  Raises
         ProtocolError.
 
@@ -197,7 +210,7 @@ class Messages(TransportCore):
         offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
         expected = offset + (0 if pooled else nbytes)
         if expected != len(record):
-            raise ProtocolError(f"ring message of {len(record)} bytes, its header announced {expected}")
+            raise ProtocolError(f"message of {len(record)} bytes with its header, which announced {expected}")
         link.inbox.admit(hdr.seq, 0, nbytes)
         starts, total = frame_slots(hdr.frames)
         if pooled:
@@ -206,7 +219,7 @@ class Messages(TransportCore):
                 raise ProtocolError("a pooled message without a shared pool, or without frames")
             piece = pool.place(total)
             self._deliver(link, hdr, [piece[at : at + size] for at, size in zip(starts, hdr.frames, strict=True)],
-                          nbytes, None, ring=True)
+                          nbytes, None, ring=batched)
             return
         body = None
         if nbytes >= POOL_MIN:
@@ -221,7 +234,7 @@ class Messages(TransportCore):
             out[at : at + size] = record[offset : offset + size]
             frames.append(body[at : at + size])
             offset += size
-        self._deliver(link, hdr, frames, nbytes, None, ring=True)
+        self._deliver(link, hdr, frames, nbytes, None, ring=batched)
 
     def _deliver(
         self, link: PeerLink, hdr: MessageHeader, frames: Frames, nbytes: int, error: BaseException | None,
