@@ -495,6 +495,37 @@ def test_cancel_wait_and_immediate_then_peer_death(make_transport, child):
     assert t.write_blocks("child", [0], [0]) is None
 
 
+def test_a_write_failed_by_its_peers_loss_is_reported_only_once_the_peer_is_gone(make_transport, child):
+    """The agent fails a lost peer's transfers before it tells its listeners that the peer
+    left; a caller woken by the failure must already find the peer gone (``write_blocks``
+    returns None): the race the peer-death test above lost under a CPU hog.  Checked where
+    it happens: at the moment the facade records the failure (on its loop), the peer is no
+    longer among the live ones.  The peer is only stopped: its rows are copied, and its loss is
+    found by the control plane (its connection dropped or silent), not by a failed copy
+    (which drops it first)."""
+    t = make_transport(block_memory(seed=15), "cx-q")
+    c = child("cx-r")
+    pair_with_child(t, c)
+    engine = t._engine
+    core_id = engine.peers["child"]
+    seen: list[bool] = []
+    settle = engine.settle
+
+    def recording(transfer_id: int, error: OmniAsyncError | None) -> None:
+        if error is not None:
+            seen.append(core_id in engine.live)  # (on the loop thread, which updates it)
+        settle(transfer_id, error)
+
+    engine.settle = recording
+    c.signal(signal.SIGSTOP)  # copied into, but silent: lost after the heartbeat timeout
+    doomed = t.write_blocks("child", [1, 2], [3, 4])
+    assert poll_until(t, {doomed}) == PollResult([], [doomed])
+    assert isinstance(t.failure_reason(doomed), PeerLost)  # found by the control plane
+    assert seen == [False]
+    assert t.write_blocks("child", [0], [0]) is None
+    c.signal(signal.SIGKILL)
+
+
 def direct_kind(t: SyncDataTransport, core_id: str) -> str | None:
     """How ``t``'s agent writes blocks into the peer ``core_id`` (asked on the facade's loop)."""
 

@@ -187,7 +187,13 @@ class _Engine:
 
     def on_transfer_done(self, transfer_id: int, transfer: Transfer) -> None:
         self.handles.pop(transfer_id, None)
-        self.settle(transfer_id, transfer.error())
+        error = transfer.error()
+        if error is not None and self.agent is not None and self.agent.session_phase(transfer.peer_id) != "joined":
+            # The peer is leaving: its transfers fail before its "left" event comes, and a
+            # caller woken by this failure must already find it gone (write_blocks: None).
+            with self.portal.lock:
+                self.live.discard(transfer.peer_id)
+        self.settle(transfer_id, error)
 
     def settle(self, transfer_id: int, error: OmniAsyncError | None) -> None:
         with self.portal.lock:
