@@ -237,7 +237,7 @@ async def test_large_ring_messages_land_in_the_shared_pool_and_a_hoarder_gets_co
     arrives intact and is acknowledged."""
     from omni_async.transport.messages import POOL_MIN, RECEIVE_POOL_BYTES
 
-    a, b = await pair(make_agent, max_message_bytes=1 << 30)
+    a, b = await pair(make_agent, max_message_bytes=1 << 30, shared_pool_mib=8)  # (a smaller one fills sooner)
     kept = []
     b.set_message_sink(lambda peer, key, meta, frames: kept.append(frames))
     size = max(POOL_MIN, 1 << 20)
@@ -558,7 +558,7 @@ async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
     """More chunk bytes at once than the ring and the shared pool hold: the excess waits for
     the answers that free room, in order, instead of taking the lane; every message arrives
     intact."""
-    a, b = await pair(make_agent)
+    a, b = await pair(make_agent, shared_pool_mib=8)  # (a smaller pool: fewer messages fill it)
     got = []
     b.set_message_sink(lambda peer, key, meta, frames: got.append((key, int(frames[0][0]))))
     tags = count_header_sends(a.transport.links["b"].lane)
