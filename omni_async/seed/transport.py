@@ -46,6 +46,7 @@ from ..errors import (
     TransferFailed,
 )
 from ..region import BlockRegion, Run, config_fingerprint, plan_runs
+from ..session import SessionEvent
 from ..transport import CancelMode, Transfer
 from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
 from .portal import Facade, Portal
@@ -115,6 +116,7 @@ class _Engine:
         async def start_agent() -> Agent:
             agent = Agent(region, self.config)
             agent.add_peer_listener(self.on_peer_event)
+            agent.add_session_listener(self.on_session_event)
             self.agent = agent
             return await agent.start()
 
@@ -185,15 +187,17 @@ class _Engine:
         self.handles[transfer_id] = transfer
         transfer.add_done_callback(partial(self.on_transfer_done, transfer_id))
 
+    def on_session_event(self, event: SessionEvent) -> None:
+        """A joined peer starts leaving: gone for callers from now on.  Its transfers fail
+        next and its "left" event comes after them; a caller woken by such a failure must
+        already find the peer gone (``write_blocks``: None)."""
+        if event.old == "joined":
+            with self.portal.lock:
+                self.live.discard(event.peer_id)
+
     def on_transfer_done(self, transfer_id: int, transfer: Transfer) -> None:
         self.handles.pop(transfer_id, None)
-        error = transfer.error()
-        if error is not None and self.agent is not None and self.agent.session_phase(transfer.peer_id) != "joined":
-            # The peer is leaving: its transfers fail before its "left" event comes, and a
-            # caller woken by this failure must already find it gone (write_blocks: None).
-            with self.portal.lock:
-                self.live.discard(transfer.peer_id)
-        self.settle(transfer_id, error)
+        self.settle(transfer_id, transfer.error())
 
     def settle(self, transfer_id: int, error: OmniAsyncError | None) -> None:
         with self.portal.lock:
