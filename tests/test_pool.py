@@ -113,7 +113,7 @@ def test_writer_and_receiver_agree_on_every_piece_and_held_bytes_never_change(st
         if start is None:
             assert fit(placed, published, writer.capacity, total) is None
         else:
-            writer.write(start, [np.full(s, value, np.uint8) for s in sizes if s], sizes)
+            writer.write(start, [np.full(s, value, np.uint8) for s in sizes if s], sizes, starts)
             writer.commit()
             piece = pool.place(total)
             assert piece.__array_interface__["data"][0] - base == start and piece.nbytes == total

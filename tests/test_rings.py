@@ -666,6 +666,34 @@ async def test_drain_delivers_every_published_record_now_but_never_inside_a_turn
         receiver.close()
 
 
+@pytest.mark.parametrize("pool", [1, 64, 64 + 65])
+async def test_an_offer_of_a_pool_that_is_not_one_is_refused_before_any_mapping(pool):
+    """A ring offer whose pool is not a control line and whole frame slots is refused (headers
+    then go over UCX) before anything is mapped, even when the memfd holds exactly that many
+    bytes after the ring; a receiver is never made with such a pool."""
+    import msgspec
+
+    from omni_async.memfd import SharedSegment
+    from omni_async.transport.ring import ring_size
+    from omni_async.transport.shared import Refused
+
+    with pytest.raises(ValueError, match="shared pool"):
+        samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None, lambda exc: None,
+                              lambda: False, capacity=1 << 16, pool_bytes=pool)
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None,
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    forged = SharedSegment(ring_size(1 << 16) + pool)  # a ring memfd of exactly that layout
+    try:
+        offer = msgspec.structs.replace(receiver.offer(), fd=forged.fd, token=forged.token, pool=pool)
+        before = mapped(forged.token)  # the segment's own mapping
+        with pytest.raises(Refused, match="shared pool"):
+            samehost.RingSender(offer)
+        assert mapped(forged.token) == before
+    finally:
+        forged.close()
+        receiver.close()
+
+
 async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_then_sleeps():
     """While told to stay awake (an intent's commit is due) the receiver polls its ring turn
     after turn: a record from another thread is taken with no pipe wake-up.  Told it is over,

@@ -168,10 +168,11 @@ class Messages(TransportCore):
         (nothing announced) if either has no room now.  Raises :class:`RingError`."""
         pool = ring.pool
         assert pool is not None
-        start = pool.reserve(frame_slots(sizes)[1])
+        slots, total = frame_slots(sizes)
+        start = pool.reserve(total)
         if start is None:
             return False
-        pool.write(start, payload, sizes)
+        pool.write(start, payload, sizes, slots)
         if not ring.send(KIND_POOLED, (data,)):
             return False  # the piece stays free: the next reserve hands out the same one
         pool.commit()

@@ -62,6 +62,11 @@ def shared_pool_bytes(mib: int) -> int:
     return CONTROL_BYTES + (mib << 20) if mib else 0
 
 
+def is_pool_size(nbytes: int) -> bool:
+    """Whether ``nbytes`` can hold a shared pool: its control line and whole frame slots."""
+    return nbytes > CONTROL_BYTES and (nbytes - CONTROL_BYTES) % FRAME_ALIGN == 0
+
+
 def fit(head: int, tail: int, capacity: int, nbytes: int) -> int | None:
     """The bytes to skip before the next piece of ``nbytes`` (pieces never wrap: when it does
     not fit before the arena's end it starts at 0), or None if the arena has no room for it.
@@ -223,12 +228,14 @@ class PoolWriter:
         self._next = head + skip + nbytes
         return 0 if skip else head % capacity
 
-    def write(self, start: int, frames: Sequence[npt.NDArray[np.uint8]], sizes: Sequence[int]) -> None:
+    def write(
+        self, start: int, frames: Sequence[npt.NDArray[np.uint8]], sizes: Sequence[int], slots: Sequence[int]
+    ) -> None:
         """Copy the message's non-empty ``frames`` (its frame ``sizes``, empty ones included)
-        into the piece reserved at ``start``, each at its slot (:func:`frame_slots`)."""
+        into the piece reserved at ``start``, each at its slot (``slots``: :func:`frame_slots`)."""
         arena = self._arena
         parts = iter(frames)
-        for offset, size in zip(frame_slots(sizes)[0], sizes, strict=True):
+        for offset, size in zip(slots, sizes, strict=True):
             if size:
                 at = start + offset
                 arena[at : at + size] = next(parts)  # type: ignore[call-overload]  # (numpy's stubs export buffers on 3.12+ only)

@@ -44,7 +44,7 @@ from typing import Final
 from ..errors import ProtocolError
 from ..memfd import SharedSegment
 from ..wire import RingOffer
-from .pool import CONTROL_BYTES, FRAME_ALIGN, PoolWriter, SharedPool
+from .pool import PoolWriter, SharedPool, is_pool_size
 from .ring import Consumer, Part, Producer, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
 from .turns import NextTurn, SpinGate, spin
@@ -105,8 +105,8 @@ class RingReceiver:
         batch_done: Callable[[], None] | None = None,
         pool_bytes: int = 0,
     ) -> None:
-        if pool_bytes and (pool_bytes <= CONTROL_BYTES or (pool_bytes - CONTROL_BYTES) % FRAME_ALIGN):
-            raise ValueError(f"a shared pool of {pool_bytes} bytes (control line + a multiple of {FRAME_ALIGN})")
+        if pool_bytes and not is_pool_size(pool_bytes):
+            raise ValueError(f"a shared pool of {pool_bytes} bytes (not a control line and whole frame slots)")
         self.capacity = capacity
         self.pool_bytes = pool_bytes
         self._loop = loop
@@ -309,7 +309,7 @@ class RingSender:
         if capacity & (capacity - 1):
             raise Refused(f"a ring of {capacity} bytes (not a power of two)")
         pool = offer.pool
-        if pool and (pool <= CONTROL_BYTES or (pool - CONTROL_BYTES) % FRAME_ALIGN):
+        if pool and not is_pool_size(pool):
             raise Refused(f"a shared pool of {pool} bytes (not a control line and whole frame slots)")
         mapping = map_memfd(offer.pid, offer.fd, offer.token, ring_size(capacity) + pool)
         try:
