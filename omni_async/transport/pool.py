@@ -49,6 +49,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from .memcopy import COPY_PIECE, copy_into
 from .ring import RingError
 
 CONTROL_BYTES: Final = 64
@@ -238,7 +239,10 @@ class PoolWriter:
         for offset, size in zip(slots, sizes, strict=True):
             if size:
                 at = start + offset
-                arena[at : at + size] = next(parts)  # type: ignore[call-overload]  # (numpy's stubs export buffers on 3.12+ only)
+                if size > COPY_PIECE:
+                    copy_into(np.frombuffer(arena, np.uint8, size, at), next(parts).reshape(-1))
+                else:
+                    arena[at : at + size] = next(parts)  # type: ignore[call-overload]  # (numpy's stubs export buffers on 3.12+ only)
 
     def commit(self) -> None:
         """The piece reserved last is announced: the next one goes after it."""

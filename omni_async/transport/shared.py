@@ -61,6 +61,7 @@ from ..handshake import PeerInfo
 from ..memfd import SIZE_SEALS, link_name, open_sealed_file
 from ..region import BlockRegion, Run
 from ..wire import RegionShare
+from .memcopy import copy_into
 from .vmwrite import VmWriter, permit_writers, proof
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,9 @@ class MappedRegion:
         dst = self.rows
         for local, remote, length in runs:
             if length == 1:  # a row by index: cheaper than a one-row slice
-                dst[remote] = src[local]
+                copy_into(dst[remote], src[local])
             else:
-                dst[remote : remote + length] = src[local : local + length]
+                copy_into(dst[remote : remote + length], src[local : local + length])
 
     def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
         """Copy the peer's blocks of each run (``remote``) into ``dst`` (``local``); the runs
@@ -125,9 +126,9 @@ class MappedRegion:
         src = self.rows
         for local, remote, length in runs:
             if length == 1:  # as in place(): a row by index
-                dst[local] = src[remote]
+                copy_into(dst[local], src[remote])
             else:
-                dst[local : local + length] = src[remote : remote + length]
+                copy_into(dst[local : local + length], src[remote : remote + length])
 
     def close(self) -> None:
         self._rows = None
