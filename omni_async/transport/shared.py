@@ -61,7 +61,7 @@ from ..handshake import PeerInfo
 from ..memfd import SIZE_SEALS, link_name, open_sealed_file
 from ..region import BlockRegion, Run
 from ..wire import RegionShare
-from .memcopy import copy_into
+from .memcopy import COPY_PIECE, copy_into
 from .vmwrite import VmWriter, permit_writers, proof
 
 log = logging.getLogger(__name__)
@@ -114,9 +114,10 @@ class MappedRegion:
 
     def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
         dst = self.rows
+        whole_rows = dst.shape[1] <= COPY_PIECE  # a row is one copy call
         for local, remote, length in runs:
-            if length == 1:  # a row by index: cheaper than a one-row slice
-                copy_into(dst[remote], src[local])
+            if length == 1 and whole_rows:  # a row by index: cheaper than a one-row slice
+                dst[remote] = src[local]
             else:
                 copy_into(dst[remote : remote + length], src[local : local + length])
 
@@ -124,9 +125,10 @@ class MappedRegion:
         """Copy the peer's blocks of each run (``remote``) into ``dst`` (``local``); the runs
         are already bounded by both layouts."""
         src = self.rows
+        whole_rows = src.shape[1] <= COPY_PIECE
         for local, remote, length in runs:
-            if length == 1:  # as in place(): a row by index
-                copy_into(dst[local], src[remote])
+            if length == 1 and whole_rows:  # as in place()
+                dst[local] = src[remote]
             else:
                 copy_into(dst[local : local + length], src[remote : remote + length])
 
