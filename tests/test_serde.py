@@ -90,35 +90,75 @@ def test_encode_refuses(bad):
         serde.encode(bad)
 
 
-def _header(tree, arrays):
-    return msgspec.msgpack.encode([tree, arrays])
+def _header(tree, frames):
+    return msgspec.msgpack.encode([tree, frames])
 
 
-NESTED: list = [1]
-for _ in range(40):
-    NESTED = [NESTED]
-REF0 = msgspec.msgpack.Ext(1, (0).to_bytes(4, "little"))
+def nested(levels, leaf):
+    """``leaf`` inside ``levels`` lists."""
+    for _ in range(levels):
+        leaf = [leaf]
+    return leaf
+
+
+F4 = [np.zeros(4, np.uint8)]  # one frame: one float32
 
 
 @pytest.mark.parametrize(
     "header,frames",
     [
         (b"\xc1", []),
-        (_header({"x": REF0}, [["<f4", [3]]]), [np.zeros(8, np.uint8)]),  # 12 bytes needed
-        (_header({"x": REF0}, [["|O", [1]]]), [np.zeros(8, np.uint8)]),  # dtype not allowed
-        (_header({"x": REF0}, [["<f4", [-1]]]), [np.zeros(4, np.uint8)]),
-        (_header({"x": REF0}, [["<f4", [1]]]), []),  # frame count
-        (_header({"x": msgspec.msgpack.Ext(1, (5).to_bytes(4, "little"))}, [["<f4", [1]]]), [np.zeros(4, np.uint8)]),
-        (_header({"x": msgspec.msgpack.Ext(9, b"1234")}, []), []),
+        (_header({"x": None}, [["<f4", [3], ["x"]]]), [np.zeros(8, np.uint8)]),  # 12 bytes needed
+        (_header({"x": None}, [["|O", [1], ["x"]]]), [np.zeros(8, np.uint8)]),  # dtype not allowed
+        (_header({"x": None}, [["<f4", [-1], ["x"]]]), F4),
+        (_header({"x": None}, [["<f4", [1], ["x"]]]), []),  # frame count
+        (_header({"x": None}, [["<f4", [1]]]), F4),  # no path
+        (_header({"x": None}, [["<f4", [1], []]]), F4),  # an empty path
+        (_header({"x": 1}, [["<f4", [1], ["x"]]]), F4),  # the path leads to a value, not a free place
+        (_header({"x": None}, [["<f4", [1], ["y"]]]), F4),  # to no key
+        (_header({"x": [None]}, [["<f4", [1], ["x", 1]]]), F4),  # past a list's end
+        (_header({"x": [None]}, [["<f4", [1], ["x", -1]]]), F4),  # a negative index
+        (_header({"x": [None]}, [["<f4", [1], ["x", "0"]]]), F4),  # a key into a list
+        (_header({"x": {"0": None}}, [["<f4", [1], ["x", 0]]]), F4),  # an index into a mapping
+        (_header({"x": None}, [["<f4", [1], ["x"]], ["<f4", [1], ["x"]]]), F4 * 2),  # one place, two frames
+        (_header({"x": None}, [["<f4", [1], ["x"]], ["<f4", [1], ["x", 0]]]), F4 * 2),  # through a frame
+        (_header({"x": None}, [["", [1], ["x"]]]), F4),  # a byte string with a shape
+        (_header({"x": msgspec.msgpack.Ext(1, b"1234")}, []), []),  # no extension types
+        (_header({"x": b"raw"}, []), []),  # no bin in the tree: byte strings are frames
         (_header([1, 2], []), []),
-        (_header({"x": msgspec.msgpack.Ext(2, (0).to_bytes(4, "little"))}, [["<f4", [1]]]), [np.zeros(4, np.uint8)]),
-        (_header({"x": NESTED}, []), []),
-        (_header({"x": REF0}, [["<f8", [0, 2**62, 2**62]]]), [np.zeros(0, np.uint8)]),  # numpy refuses the shape
+        (_header({"x": {3: 1}}, []), []),  # a key that is not a str (typed decoder)
+        (_header({"x": nested(20, {3: 1})}, []), []),  # ... and deeper (loose decoder)
+        (_header({"x": nested(40, 1)}, []), []),
+        (_header({"x": nested(20, msgspec.msgpack.Ext(1, b"1234"))}, []), []),
+        (_header({"x": None}, [["<f8", [0, 2**62, 2**62], ["x"]]]), [np.zeros(0, np.uint8)]),  # numpy refuses
     ],
 )
 def test_decode_rejects(header, frames):
     with pytest.raises(ProtocolError):
         serde.decode(header, frames)
+
+
+@pytest.mark.parametrize("levels", [serde.TYPED_LEVELS - 1, serde.TYPED_LEVELS, serde.TYPED_LEVELS + 1, serde.MAX_DEPTH - 2])
+def test_frames_at_every_depth_the_codec_allows_round_trip(levels):
+    """Both decoders (the typed one up to TYPED_LEVELS, the loose one past it) put every frame
+    in its place, in lists and mappings, and keep a None of the payload a None."""
+    payload = {"deep": nested(levels, {"a": np.arange(3, dtype=np.int16), "b": b"xy", "n": None}), "n": None}
+    out = travel(payload)
+    assert same(payload, out)
+    leaf = out["deep"]
+    for _ in range(levels):
+        leaf = leaf[0]
+    assert leaf["n"] is None and out["n"] is None
+
+
+def test_a_header_of_more_bytes_than_values_allowed_is_counted():
+    payload = {"many": list(range(serde.MAX_NODES + 1)), "x": np.ones(2, np.uint8)}
+    header, frames = serde.encode(payload)
+    with pytest.raises(ProtocolError, match="more than"):
+        serde.decode(header, [np.frombuffer(bytes(f), np.uint8) for f in frames])
+    fewer = {"many": list(range(serde.MAX_NODES // 2)), "x": np.ones(2, np.uint8)}
+    header, frames = serde.encode(fewer)
+    assert len(serde.decode(header, [np.frombuffer(bytes(f), np.uint8) for f in frames])["many"]) == serde.MAX_NODES // 2
 
 
 @given(st.binary(max_size=256), st.lists(st.binary(max_size=16), max_size=3))
