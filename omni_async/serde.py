@@ -184,16 +184,17 @@ def decode(header: bytes, frames: Sequence[npt.NDArray[np.uint8]]) -> dict[str, 
 
     Raises :class:`ProtocolError` for anything malformed, out of the whitelist or inconsistent.
     """
-    decoded: _Header | _LooseHeader
-    try:
-        # A header of more bytes than MAX_NODES may hold more nodes: the loose decoder counts them.
-        decoded = _typed.decode(header) if len(header) <= MAX_NODES else _loose.decode(header)
-    except Exception:  # deeper than the typed levels, or malformed: the loose decoder says which
+    decoded: _Header | _LooseHeader | None = None
+    if len(header) <= MAX_NODES:  # a longer header may hold more values: the loose decoder counts them
+        try:
+            decoded = _typed.decode(header)
+        except Exception:  # deeper than the typed levels, or malformed: the loose decoder says which
+            decoded = None
+    if decoded is None:
         try:
             decoded = _loose.decode(header)
         except Exception as exc:  # a trust boundary: every decoder failure is a ProtocolError
             raise ProtocolError(f"invalid payload header: {exc}") from None
-    if type(decoded) is _LooseHeader:
         if type(decoded.tree) is not dict:
             raise ProtocolError("a payload must be a mapping at the top")
         _check_children(decoded.tree, 0, [MAX_NODES - 1])  # the top mapping is one node
