@@ -17,8 +17,9 @@ The sender is a :class:`~omni_async.service.ConnectorService` in this process wi
 
 Both also with ``UCX_TLS=tcp`` (suffix ``_tcp``).  The limit is numpy copying the same arrays
 in this process.  Beside each row, in the same run, the pyzmq + msgspec baseline
-(:mod:`bench.zmq_baseline`) moves the same chunks; ``ratios[row]["vs_zmq"]`` is omni_async's
-chunks/s over the baseline's (for ``chunk_a``: the baseline's p50 latency over ours).  NIXL has
+(:mod:`bench.zmq_baseline`) moves the same chunks, in rounds that alternate with ours
+(:data:`ROUNDS`: a slow phase of a noisy machine falls on both); ``ratios[row]["vs_zmq"]`` is
+omni_async's chunks/s over the baseline's (for ``chunk_a``: the baseline's p50 latency over ours).  NIXL has
 no message API, so it has no column here.
 """
 
@@ -28,6 +29,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -101,8 +103,8 @@ def chunk_workloads(quick: bool) -> list[ChunkWorkload]:
         ChunkWorkload("chunk_stream", "throughput", 16, 32, 16, 1 if quick else 5),
         # The issue's shapes: 64 requests x 100 chunks of ~8 KiB, and of ~256 KiB (fewer chunks:
         # the sender keeps every chunk of a batch in memory).
-        ChunkWorkload("chunk_8k", "throughput", 64, 100 if not quick else 4, 5, 1 if quick else 3),
-        ChunkWorkload("chunk_256k", "throughput", 64, 8 if not quick else 2, 144, 1 if quick else 3),
+        ChunkWorkload("chunk_8k", "throughput", 64, 100 if not quick else 4, 5, 1 if quick else 5),
+        ChunkWorkload("chunk_256k", "throughput", 64, 8 if not quick else 2, 144, 1 if quick else 5),
     ]
 
 
@@ -194,13 +196,42 @@ def _time_memcpy(w: ChunkWorkload, iters: int) -> list[int]:
 
 
 async def _time_zmq(zmq: ZmqBaseline, w: ChunkWorkload) -> list[int]:
-    """The baseline on workload ``w`` (after a warm-up like ours), every chunk checked by the receiver."""
-    for iters in (max(1, w.iters // 10), w.iters):
-        samples, stats = await zmq.run(w.kind, w.requests, w.chunks, w.tokens, iters)
-        expected = (iters if w.kind == "latency" else w.requests * iters) * w.chunks
-        if stats.bad or stats.chunks != expected:
-            raise ChunkVerificationError(f"zmq baseline {w.name}: receiver got {stats.chunks} chunks, {stats.bad} bad")
+    """The baseline on workload ``w``, every chunk checked by the receiver."""
+    samples, stats = await zmq.run(w.kind, w.requests, w.chunks, w.tokens, w.iters)
+    expected = (w.iters if w.kind == "latency" else w.requests * w.iters) * w.chunks
+    if stats.bad or stats.chunks != expected:
+        raise ChunkVerificationError(f"zmq baseline {w.name}: receiver got {stats.chunks} chunks, {stats.bad} bad")
     return samples
+
+
+ROUNDS = 5
+"""Rounds a workload's samples are taken in, ours and the baseline's alternating (a throughput
+workload's batches one per round, at most; a latency workload's saves in equal parts), so a slow
+phase of the machine falls on both contenders rather than on one."""
+
+
+def _rounds(w: ChunkWorkload) -> list[ChunkWorkload]:
+    """``w`` cut into the rounds its samples are taken in (their iterations add up to ``w.iters``)."""
+    count = min(ROUNDS, w.iters)
+    return [dataclasses.replace(w, iters=w.iters // count + (i < w.iters % count)) for i in range(count)]
+
+
+async def _interleaved(
+    ours: Callable[[ChunkWorkload], Awaitable[list[int]]], baseline: ZmqBaseline | None, w: ChunkWorkload
+) -> tuple[list[int], list[int] | None]:
+    """Samples of ``ours`` and of the baseline on ``w``, each after a warm-up of a tenth of its
+    iterations, in alternating rounds (see :data:`ROUNDS`)."""
+    warm = dataclasses.replace(w, iters=max(1, w.iters // 10))
+    await ours(warm)
+    if baseline is not None:
+        await _time_zmq(baseline, warm)
+    samples: list[int] = []
+    zmq_samples: list[int] | None = None if baseline is None else []
+    for part in _rounds(w):
+        samples += await ours(part)
+        if baseline is not None and zmq_samples is not None:
+            zmq_samples += await _time_zmq(baseline, part)
+    return samples, zmq_samples
 
 
 def _chunks_per_s(w: ChunkWorkload, samples: list[int]) -> float:
@@ -249,10 +280,8 @@ async def _run_mode(
         async with ConnectorService(_service_config(mode, f"chunk-send-{mode.name}")) as svc:
             sender = _Sender(svc, await svc.agent.connect(child.ready["address"]))
             for w in chunk_workloads(quick):
-                await sender.run(dataclasses.replace(w, iters=max(1, w.iters // 10)))  # warm-up
-                samples = await sender.run(w)
+                samples, zmq_samples = await _interleaved(sender.run, baseline, w)
                 memcpy = _time_memcpy(w, max(len(samples), 50))
-                zmq_samples = await _time_zmq(baseline, w) if baseline is not None else None
                 results[w.name + mode.suffix] = {
                     "workload": w.describe(), "mode": mode.name, "kind": w.kind, "bytes": w.nbytes,
                     "memcpy": summarize(w.nbytes, memcpy), "omni_async": summarize(w.nbytes, samples),
@@ -262,9 +291,7 @@ async def _run_mode(
                 }
                 advance(bar, f"{w.name} {mode.name}")
             w = notice_workload(quick)
-            await sender.notice_round_trips(max(1, w.iters // 10))  # warm-up
-            samples = await sender.notice_round_trips(w.iters)
-            zmq_samples = await _time_zmq(baseline, w) if baseline is not None else None
+            samples, zmq_samples = await _interleaved(lambda part: sender.notice_round_trips(part.iters), baseline, w)
             results[w.name + mode.suffix] = {
                 "workload": w.describe(), "mode": mode.name, "kind": w.kind, "bytes": BLOCK_LEN,
                 "memcpy": summarize(BLOCK_LEN, _time_block_copy(max(len(samples), 50))),
