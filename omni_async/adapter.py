@@ -230,34 +230,24 @@ class TransferAdapter:
     # -- loading ----------------------------------------------------------------------------
     def load_async(self, request_id: str) -> asyncio.Future[Chunk]:
         """A future for the request's next chunk (in order).  Raises :class:`ClosedError` once closing."""
-        if self._closing:
-            raise ClosedError("adapter is closed")
-        state = self._incoming.get(request_id)
-        if state is None:
-            state = self._incoming[request_id] = _Incoming()
-        index = state.next_index
-        state.next_index += 1
+        taken = self._take_next(request_id)
+        if taken is None:
+            return self._wait_next(request_id)
         result: asyncio.Future[Chunk] = self._loop.create_future()
-        state.waiters.append(result)
-        key = self._key(request_id, index)
-        buffered = self.connector.take_nowait(key, source=self.source)
-        if buffered is not None:  # here already: resolved now, no future and no loop hop between
-            self._rearm(request_id, result)
-            self._loaded(request_id, index, result, None, buffered)
-            return result
-        payload = self.connector.wait_for(key, source=self.source)
-        cancelled = partial(self._load_cancelled, request_id, index, payload)
-        result.add_done_callback(cancelled)  # its owner may give it up
-        payload.add_done_callback(partial(self._arrived, request_id, index, result, cancelled))
-        if not payload.done() and state.due is None:
-            state.due = self._loop.time() + self.options.stall_timeout
-            if state.timer is None:
-                state.timer = self._loop.call_at(state.due, self._stalled, request_id)
+        if isinstance(taken, Chunk):
+            result.set_result(taken)
+        else:
+            _fail_load(result, taken)
         return result
 
     async def load(self, request_id: str) -> Chunk:
-        """Wait for the request's next chunk."""
-        return await self.load_async(request_id)
+        """Wait for the request's next chunk (a chunk here already is taken without a future)."""
+        taken = self._take_next(request_id)
+        if taken is None:
+            return await self._wait_next(request_id)
+        if isinstance(taken, Chunk):
+            return taken
+        raise taken
 
     async def stream(self, request_id: str) -> AsyncIterator[Chunk]:
         """Yield the request's chunks in order; stop after the final one."""
@@ -266,6 +256,48 @@ class TransferAdapter:
             yield chunk
             if chunk.final:
                 return
+
+    def _take_next(self, request_id: str) -> Chunk | OmniAsyncError | None:
+        """The request's next chunk if it is buffered, taken now (its index used), or why it
+        cannot be loaded (the request is then cleaned up); None if it has not arrived (then
+        :meth:`_wait_next` waits for it).  Raises :class:`ClosedError` once closing."""
+        if self._closing:
+            raise ClosedError("adapter is closed")
+        state = self._incoming.get(request_id)
+        index = 0 if state is None else state.next_index
+        envelope = self.connector.take_nowait(self._key(request_id, index), source=self.source)
+        if envelope is None:
+            return None
+        if state is None:
+            state = self._incoming[request_id] = _Incoming()
+        state.next_index = index + 1
+        self._rearm(request_id, None)
+        chunk = self._unwrap(request_id, index, envelope)
+        if not isinstance(chunk, Chunk):
+            self.cleanup(request_id)
+        elif chunk.final:
+            self._forget(request_id)
+        return chunk
+
+    def _wait_next(self, request_id: str) -> asyncio.Future[Chunk]:
+        """A future for the request's next chunk, which has not arrived: resolved when it
+        does (or fails: the request's stall deadline, the source's loss, a cleanup)."""
+        state = self._incoming.get(request_id)
+        if state is None:
+            state = self._incoming[request_id] = _Incoming()
+        index = state.next_index
+        state.next_index += 1
+        result: asyncio.Future[Chunk] = self._loop.create_future()
+        state.waiters.append(result)
+        payload = self.connector.wait_for(self._key(request_id, index), source=self.source)
+        cancelled = partial(self._load_cancelled, request_id, index, payload)
+        result.add_done_callback(cancelled)  # its owner may give it up
+        payload.add_done_callback(partial(self._arrived, request_id, index, result, cancelled))
+        if not payload.done() and state.due is None:
+            state.due = self._loop.time() + self.options.stall_timeout
+            if state.timer is None:
+                state.timer = self._loop.call_at(state.due, self._stalled, request_id)
+        return result
 
     def _arrived(
         self, request_id: str, index: int, result: asyncio.Future[Chunk],
@@ -279,9 +311,10 @@ class TransferAdapter:
         error = payload.exception()  # retrieved even when the result was settled already
         self._loaded(request_id, index, result, error, payload.result() if error is None else None)
 
-    def _rearm(self, request_id: str, result: asyncio.Future[Chunk]) -> None:
-        """A chunk came for ``result``: restart the request's stall clock if other loads wait,
-        else stop watching it (the armed timer, when it fires, finds that out)."""
+    def _rearm(self, request_id: str, result: asyncio.Future[Chunk] | None) -> None:
+        """A chunk came (for ``result``, or for a load that took it at once): restart the
+        request's stall clock if other loads wait, else stop watching it (the armed timer,
+        when it fires, finds that out)."""
         state = self._incoming.get(request_id)
         if state is not None and state.due is not None:
             if any(not w.done() and w is not result for w in state.waiters):
@@ -298,11 +331,14 @@ class TransferAdapter:
         if result.done():
             return
         state = self._incoming.get(request_id)
-        if error is None:
-            assert envelope is not None
-            error, chunk = self._unwrap(request_id, index, envelope)
+        chunk: Chunk | BaseException
         if error is not None:
-            _fail_load(result, error)
+            chunk = error
+        else:
+            assert envelope is not None
+            chunk = self._unwrap(request_id, index, envelope)
+        if not isinstance(chunk, Chunk):
+            _fail_load(result, chunk)
             self.cleanup(request_id)
             return
         result.set_result(chunk)
@@ -312,13 +348,14 @@ class TransferAdapter:
                 self._forget(request_id)
 
     @staticmethod
-    def _unwrap(request_id: str, index: int, envelope: dict[str, Any]) -> tuple[OmniAsyncError | None, Any]:
+    def _unwrap(request_id: str, index: int, envelope: dict[str, Any]) -> Chunk | OmniAsyncError:
+        """The chunk an envelope holds, or why it cannot be loaded."""
         final, cancelled, data = envelope.get("final"), envelope.get("cancelled"), envelope.get("data")
         if type(final) is not bool or type(cancelled) is not bool or not isinstance(data, dict):
-            return ProtocolError(f"chunk {index} of {request_id!r} is not a chunk envelope"), None
+            return ProtocolError(f"chunk {index} of {request_id!r} is not a chunk envelope")
         if cancelled:
-            return TransferCancelled(f"request {request_id!r} was cancelled by its sender"), None
-        return None, Chunk(request_id, index, data, final)
+            return TransferCancelled(f"request {request_id!r} was cancelled by its sender")
+        return Chunk(request_id, index, data, final)
 
     def _load_cancelled(
         self, request_id: str, index: int, payload: asyncio.Future[Any], result: asyncio.Future[Chunk]
