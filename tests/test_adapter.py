@@ -77,6 +77,32 @@ async def test_a_buffered_chunk_loads_without_a_loop_hop(make_service):
     assert (await asyncio.wait_for(later, 5)).data["tag"] == "r2"
 
 
+async def test_load_takes_buffered_chunks_and_their_failures_in_order(make_service):
+    """``load`` (and ``stream``) take a chunk that is here already without waiting: in order,
+    with the final one ending the request, and a buffered chunk that cannot be loaded (not an
+    envelope, or the sender's cancel marker) raises from ``load`` and cleans its request up."""
+    tx, rx, sender, receiver = await linked(make_service)
+    for i in range(3):
+        await sender.save("r", chunk(1, i), final=i == 2)
+    assert rx.connector.buffered[0] == 3
+    assert (await receiver.load("r")).index == 0
+    assert [c.index for c in [c async for c in receiver.stream("r")]] == [1, 2]
+    assert receiver.active_requests == 0 and rx.connector.buffered == (0, 0)
+    await asyncio.wait_for(tx.connector.put("rx", "c:thinker:0", {"not": "an envelope"}), 5)
+    with pytest.raises(ProtocolError, match="not a chunk envelope"):
+        await receiver.load("c")
+    with pytest.raises(TransferCancelled):  # cleaned up: its later chunks are refused
+        await asyncio.wait_for(tx.connector.put("rx", "c:thinker:1", envelope({"late": 1})), 5)
+    await sender.save("k", {"i": 0})
+    sender.cancel("k")
+    await asyncio.wait_for(asyncio.gather(*sender._unsettled), 5)  # the cancel marker is buffered behind chunk 0
+    assert rx.connector.buffered[0] == 2
+    assert (await receiver.load("k")).index == 0
+    with pytest.raises(TransferCancelled, match="cancelled by its sender"):
+        await asyncio.wait_for(receiver.load("k"), 5)
+    assert receiver.active_requests == 0
+
+
 async def test_failures_land_on_the_right_futures(make_service):
     tx, rx, sender, receiver = await linked(make_service)
     good = sender.save_async("a", {"x": 1}, final=True)
