@@ -226,12 +226,12 @@ async def _interleaved(
     if baseline is not None:
         await _time_zmq(baseline, warm)
     samples: list[int] = []
-    zmq_samples: list[int] | None = None if baseline is None else []
+    zmq_samples: list[int] = []
     for part in _rounds(w):
         samples += await ours(part)
-        if baseline is not None and zmq_samples is not None:
+        if baseline is not None:
             zmq_samples += await _time_zmq(baseline, part)
-    return samples, zmq_samples
+    return samples, zmq_samples if baseline is not None else None
 
 
 def _chunks_per_s(w: ChunkWorkload, samples: list[int]) -> float:
