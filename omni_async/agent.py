@@ -200,9 +200,12 @@ class Agent(Startable):
             # Roll back, whatever failed (a cancellation included): the far side gets a Bye so
             # it does not keep a half-joined peer, unless it joined the pair another way.
             transport.discard_lane(lane, exc if isinstance(exc, OmniAsyncError) else None)
+            crossed = self._crossed(conn) if isinstance(exc, ProtocolError) and conn is not None else None
             if conn is not None:
-                crossed = isinstance(exc, AlreadyConnected)
-                control.release(conn, None if crossed else f"handshake abandoned: {type(exc).__name__}")
+                joined_otherwise = crossed is not None or isinstance(exc, AlreadyConnected)
+                control.release(conn, None if joined_otherwise else f"handshake abandoned: {type(exc).__name__}")
+            if crossed is not None:
+                raise crossed from None
             if isinstance(exc, ProtocolError) and conn is not None:
                 raise HandshakeRejected(f"peer {conn.info.peer_id!r} sent unusable agent metadata: {exc}") from None
             raise
@@ -323,6 +326,19 @@ class Agent(Startable):
             raise ClosedError("agent is closed")
         new = Connection(conn.info.nonce, conn.dialled_by)
         return admit(self.peer_id, self._sessions[conn.info.peer_id].current(), new, conn.info.peer_id)
+
+    def _crossed(self, conn: ControlConnection) -> AlreadyConnected | None:
+        """What the pair rules say of ``conn`` now, if it lost to a crossing handshake that
+        joined the pair meanwhile; None otherwise.  The lane a peer offered in its answer is
+        closed when its own crossing dial wins: connecting it then fails, and that failure is
+        the crossing, not unusable agent metadata."""
+        if self._closed:
+            return None
+        try:
+            self._check(conn)
+        except AlreadyConnected as exc:
+            return exc
+        return None
 
     def _commit(self, conn: ControlConnection, lane: Lane) -> None:
         """Join the pair through ``conn`` and ``lane`` (both connected), or raise

@@ -99,3 +99,33 @@ async def test_a_later_dial_keeps_the_smaller_ids_connection(make_agent):
     await asyncio.wait_for(b.write_blocks("a", [0], [3]), 5)
     assert (b.region.array[3] == 1).all() and (a.region.array[3] == 2).all()
     assert sorted(events) == [("a", "joined"), ("b", "joined")]
+
+
+async def test_a_dial_whose_offered_lane_the_winner_closed_ends_crossed(make_agent):
+    """z dials a and a answers with a new lane; before z connects that lane, a's own dial wins
+    the tie-break and a closes it.  z's dial must end as crossed (AlreadyConnected: the pair is
+    joined), not as a rejection of unusable agent metadata."""
+    a = await make_agent(peer_id="a")
+    z = await make_agent(peer_id="z")
+    connect_lane = z.transport.connect_lane
+    calls = 0
+
+    async def winner_first(peer, lane):  # fault injection around the real method
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # z's own dial: a's dial joins the pair and a closes the offered lane
+            assert await asyncio.wait_for(a.connect(z.control_address), 10) == "z"
+            closing = [lane.wait_closed() for lane in a.transport._closing]
+            assert closing, "a closed no lane when its dial took over"
+            await asyncio.wait_for(asyncio.gather(*closing), 10)
+        await connect_lane(peer, lane)
+
+    z.transport.connect_lane = winner_first
+    with pytest.raises(AlreadyConnected):
+        await asyncio.wait_for(z.connect(a.control_address), 10)
+    assert calls == 2
+    assert a.dialled_by("z") == z.dialled_by("a") == "a"
+    a.region.array[0], z.region.array[0] = 5, 6
+    await asyncio.wait_for(a.write_blocks("z", [0], [3]), 5)
+    await asyncio.wait_for(z.write_blocks("a", [0], [3]), 5)
+    assert (z.region.array[3] == 5).all() and (a.region.array[3] == 6).all()
