@@ -146,6 +146,14 @@ def test_chunk_check_is_exact_and_cheap() -> None:
     hidden = chunk["hidden"].copy()
     hidden[7, 5] = np.float16(0.5)
     assert not chunk_ok({**chunk, "hidden": hidden}, 3, 1, 144)
+    small = make_chunk(3, 1, 5)  # compared as bytes (the large one as integers)
+    assert chunk_ok(small, 3, 1, 5) and not chunk_ok(small, 3, 2, 5) and not chunk_ok(small, 3, 1, 6)
+    for key, last in (("hidden", -1), ("hidden", 0), ("codes", -1), ("codes", 0)):
+        changed = small[key].copy()
+        changed.view(np.uint8).flat[last] ^= 0x80  # one bit of the first or last byte
+        assert not chunk_ok({**small, key: changed}, 3, 1, 5), (key, last)
+    assert chunk_ok({**small, "hidden": np.asfortranarray(small["hidden"])}, 3, 1, 5)  # any layout
+    assert not chunk_ok({**small, "meta": {**small["meta"], "index": 2}}, 3, 1, 5)
     best = float("inf")
     for _ in range(20):  # the fastest of 20: a call preempted by another test's process says nothing
         start = time.perf_counter()
