@@ -359,14 +359,21 @@ def decode_record(payload: bytes | memoryview) -> DataHeader:
 
 def decode_header(buffer: bytes | bytearray | memoryview) -> DataHeader:
     """Decode a length-prefixed data-plane header from a receive buffer (may be longer)."""
+    return decode_framed(buffer)[0]
+
+
+def decode_framed(buffer: bytes | bytearray | memoryview) -> tuple[DataHeader, int]:
+    """:func:`decode_header`, and where the header ends in ``buffer`` (the offset of what
+    follows it: a chunk message's frames, when it came whole)."""
     view = memoryview(buffer)
     if len(view) < _LEN.size:
         raise ProtocolError("header shorter than its length prefix")
     (length,) = _LEN.unpack_from(view)
-    if length > len(view) - _LEN.size:
+    end = _LEN.size + length
+    if end > len(view):
         raise ProtocolError(f"header claims {length} bytes, buffer holds {len(view) - _LEN.size}")
-    header: DataHeader = _decode(_data_decoder, view[_LEN.size : _LEN.size + length], "data header")
-    return header
+    header: DataHeader = _decode(_data_decoder, view[_LEN.size : end], "data header")
+    return header, end
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[T] | msgspec.json.Decoder[T], data: bytes | memoryview, what: str) -> T:

@@ -227,6 +227,14 @@ async def test_ring_message_frames_are_one_aligned_copy(make_agent):
     assert len({id(f.base) for f in frames}) == 1 and frames[0].base is not None
     await asyncio.wait_for(a.send_message("b", "k2", b"", [np.full(8, 2, np.uint8)]), 5)
     assert bytes(frames[3]) == bytes(sent[3])  # the ring's later records did not change them
+    # Every frame but the last a whole number of slots (no gap between them: copied in one go).
+    gapless = [np.arange(128, dtype=np.uint8), np.zeros(0, np.uint8), np.full(64, 3, np.uint8),
+               np.arange(7, dtype=np.uint8) + 100]
+    await asyncio.wait_for(a.send_message("b", "k3", b"", gapless), 5)
+    frames = got[2]
+    assert [bytes(f) for f in frames] == [bytes(f) for f in gapless]
+    base = frames[0].__array_interface__["data"][0]
+    assert [f.__array_interface__["data"][0] - base for f in frames if f.nbytes] == [0, 128, 192]
 
 
 async def test_large_ring_messages_land_in_the_shared_pool_and_a_hoarder_gets_copies(make_agent):

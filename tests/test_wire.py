@@ -58,6 +58,7 @@ def test_header_round_trip(msg):
     data = encode_header(msg)
     buf[: len(data)] = data
     assert decode_header(buf) == msg
+    assert wire.decode_framed(buf) == (msg, len(data))  # and where it ends: what follows starts there
 
 
 @pytest.mark.parametrize("msg", HEADERS, ids=lambda m: type(m).__name__)

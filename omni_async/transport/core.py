@@ -50,7 +50,7 @@ from ..wire import (
     Goodbye,
     MessageHeader,
     WriteRequest,
-    decode_header,
+    decode_framed,
     decode_record,
     encode_header,
     encode_record,
@@ -132,9 +132,9 @@ class TransportCore(ABC):
                 handler(self, link, header)
                 return
         elif kind in (KIND_MESSAGE, KIND_POOLED):  # a length-prefixed message header (then its frames)
-            header = decode_header(payload)
+            header, end = decode_framed(payload)
             if isinstance(header, MessageHeader):
-                self._on_whole_message(link, header, payload, pooled=kind == KIND_POOLED)
+                self._on_whole_message(link, header, payload, end, pooled=kind == KIND_POOLED)
                 return
         else:
             raise ProtocolError(f"ring record of unknown kind {kind}")
@@ -382,11 +382,11 @@ class TransportCore(ABC):
         if error is not None:
             return  # the lane is closing; liveness is the control plane's job
         try:
-            header: DataHeader = decode_header(buffer.data)
-            if buffer.nbytes != 4 + int.from_bytes(buffer.data[:4], "little"):  # frames follow it
+            header, end = decode_framed(buffer.data)
+            if buffer.nbytes != end:  # frames follow it
                 if not isinstance(header, MessageHeader):
                     raise ProtocolError(f"a {type(header).__name__} followed by {buffer.nbytes} bytes in all")
-                self._on_whole_message(link, header, buffer.data, batched=False)
+                self._on_whole_message(link, header, buffer.data, end, batched=False)
                 return
         except ProtocolError as exc:
             self._drop(link, exc)
@@ -493,10 +493,12 @@ class TransportCore(ABC):
 
     @abstractmethod
     def _on_whole_message(
-        self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool = False, batched: bool = True
+        self, link: PeerLink, hdr: MessageHeader, record: memoryview, offset: int, *, pooled: bool = False,
+        batched: bool = True,
     ) -> None:
-        """A chunk message whose header came with its frames: a ring record (``batched``), its
-        frames in it or (``pooled``) in our shared pool, or one lane message (:mod:`.messages`)."""
+        """A chunk message whose header came with its frames (from ``offset`` of ``record`` on):
+        a ring record (``batched``), its frames in it or (``pooled``) in our shared pool, or one
+        lane message (:mod:`.messages`)."""
 
 
 def _follows_ring(header: DataHeader) -> bool:

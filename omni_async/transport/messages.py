@@ -195,20 +195,20 @@ class Messages(TransportCore):
             deliver(None)
 
     def _on_whole_message(
-        self, link: PeerLink, hdr: MessageHeader, record: memoryview, *, pooled: bool = False, batched: bool = True
+        self, link: PeerLink, hdr: MessageHeader, record: memoryview, offset: int, *, pooled: bool = False,
+        batched: bool = True,
     ) -> None:
         """A chunk message whose header came with its frames, in a ring record (``batched``:
         acknowledged with its ring batch) or one lane message: its frames follow its header
-        (copy them out: the record is valid only during this call), or lie in our shared pool
-        (``pooled``: the pool's next piece, handed out as it is).  Deliver.  Raises
-        ProtocolError.
+        from ``offset`` on (copy them out: the record is valid only during this call), or lie
+        in our shared pool (``pooled``: the pool's next piece, handed out as it is).  Deliver.
+        Raises ProtocolError.
 
         Every message's frames lie in one piece of memory, each in its own 64-byte aligned
         slice (a sink that keeps one frame keeps the message's bytes alive): the pooled piece;
         else, for messages of ``POOL_MIN`` bytes or more, one from the receive pool (memory
         that stays mapped, reused once the frames are dropped), else a fresh array."""
         nbytes = validate_message(hdr, self.config.max_message_bytes)
-        offset = 4 + int.from_bytes(record[:4], "little")  # past the header's length prefix
         expected = offset + (0 if pooled else nbytes)
         if expected != len(record):
             raise ProtocolError(f"message of {len(record)} bytes with its header, which announced {expected}")
@@ -229,12 +229,14 @@ class Messages(TransportCore):
             body = self._pool.take(total)
         if body is None:
             body = np.empty(total, np.uint8)
-        out = body.data
-        frames = []
-        for at, size in zip(starts, hdr.frames, strict=True):
-            out[at : at + size] = record[offset : offset + size]
-            frames.append(body[at : at + size])
-            offset += size
+        out, sizes = body.data, hdr.frames
+        if starts and starts[-1] + sizes[-1] == nbytes:  # every frame but the last fills its slots: no gap
+            out[:nbytes] = record[offset:]  # one copy for all
+        else:
+            for at, size in zip(starts, sizes, strict=True):
+                out[at : at + size] = record[offset : offset + size]
+                offset += size
+        frames = [body[at : at + size] for at, size in zip(starts, sizes, strict=True)]
         self._deliver(link, hdr, frames, nbytes, None, ring=batched)
 
     def _deliver(
