@@ -1,6 +1,7 @@
 """``python -m bench <command>``: ``blocks`` (block writes vs memcpy and NIXL), ``chunks``
 (chunk streams through the adapter vs memcpy), ``layers`` (a region set vs NIXL), ``idle`` (CPU
-of an idle connected pair), ``profile`` (per-function cost of one small transfer), ``compare``
+of an idle connected pair), ``profile`` (per-function cost of one small transfer), ``gc`` (what
+the garbage collector costs a chunk stream), ``compare``
 (side-by-side tables of saved runs: ``make bench`` leaves each report's JSON in ``bench/out``).
 
 ``--json`` prints one JSON object on stdout (the table then goes to stderr).  ``--plot FILE``
@@ -55,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     profile.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     compare = sub.add_parser("compare", help="side-by-side Markdown tables of saved make bench runs (bench/out copies)")
     compare.add_argument("runs", nargs="+", type=Path, help="folders holding blocks/chunks/layers/idle .json")
+    collector = sub.add_parser("gc", help="CPU per chunk of a chunk stream with the collector as is, frozen, off")
+    collector.add_argument("--rounds", type=int, default=4, help="rounds of each mode, alternating")
+    collector.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     idle = sub.add_parser("idle", help="CPU used by a connected idle pair of agents")
     idle.add_argument("--seconds", type=float, default=10.0)
     idle.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -116,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         from .compare import compare
 
         print(compare(args.runs))
+    elif args.command == "gc":
+        from .collector import run_gc
+        from .collector import table as gc_table
+
+        result = run(run_gc(args.rounds))
+        _emit(result, gc_table(result), args.json)
     elif args.command == "idle":
         from .idle import run_idle, table
 

@@ -132,6 +132,26 @@ def test_profile_reports_per_transfer_costs(kind: str) -> None:
     assert [row["own_us_per_transfer"] for row in rows] == sorted((row["own_us_per_transfer"] for row in rows), reverse=True)
 
 
+def test_gc_reports_every_collector_mode_and_restores_the_collector() -> None:
+    import gc
+
+    from bench.collector import MODES, _collector, _Pauses
+
+    report = bench("gc", "--rounds", "1", timeout=50)
+    assert set(report["cpu_us_per_chunk"]) == set(MODES) and all(v > 0 for v in report["cpu_us_per_chunk"].values())
+    assert report["ratios"]["default"] == 1.0
+    assert [c["generation"] for c in report["default_collections"]] == [0, 1, 2]
+    assert report["default_collections"][0]["count"] > 0  # thousands of chunks: the young generation ran
+    callbacks = list(gc.callbacks)
+    for mode in MODES:  # each mode is undone after its round, even when the round fails
+        with pytest.raises(RuntimeError), _collector(mode, None):
+            raise RuntimeError("a failed round")
+        assert gc.isenabled() and gc.get_freeze_count() == 0 and gc.callbacks == callbacks
+    with pytest.raises(RuntimeError), _collector("default", _Pauses()):
+        raise RuntimeError("a failed round")
+    assert gc.callbacks == callbacks
+
+
 def test_chunk_check_is_exact_and_cheap() -> None:
     """The receivers' per-chunk check (ours and the pyzmq baseline's) is bit-exact and costs
     far less than moving the chunk: a float16 ``==`` took ~250 µs per 256 KiB chunk."""
