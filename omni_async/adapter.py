@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from .batch import MAX_ITEMS
 from .config import AdapterOptions
 from .connector import Connector
 from .errors import (
@@ -163,7 +164,9 @@ class TransferAdapter:
 
     async def _save_loop(self) -> None:
         """Send the saves that found the window full or others queued ahead of them, in order
-        (:attr:`_blocked` while one waits for the window, so later saves queue behind it)."""
+        (:attr:`_blocked` while one waits for the window, so later saves queue behind it).
+        The saves queued behind it that the window has room for go with it, in one call of
+        the connector's ``put_many_nowait`` (which may send them as one message)."""
         while True:
             item = await self._queue.get()
             if not _acquire_nowait(self._window):
@@ -172,7 +175,13 @@ class TransferAdapter:
                     await self._window.acquire()
                 finally:
                     self._blocked = False
-            self._send(item)
+            if self._queue.empty() or not _acquire_nowait(self._window):
+                self._send(item)
+                continue
+            items = [item, self._queue.get_nowait()]
+            while len(items) < MAX_ITEMS and not self._queue.empty() and _acquire_nowait(self._window):
+                items.append(self._queue.get_nowait())
+            self._send_many(items)
 
     def _take_share(self) -> bool:
         """A share of the window without waiting, for a save that may go at once."""
@@ -185,18 +194,34 @@ class TransferAdapter:
         """Start one save (its window share taken).  A save that cannot start fails its own
         future (a payload the codec cannot carry: ``TypeError``) and frees its share."""
         assert self.peer_id is not None
-        envelope = {"final": item.final, "cancelled": item.cancelled, "data": item.data}
         try:
-            transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), envelope)
+            transfer = self.connector.put_nowait(self.peer_id, self._key(item.request_id, item.index), _envelope(item))
         except Exception as exc:
-            self._window.release()
-            if isinstance(exc, UnknownPeer):
-                exc = PeerLost(f"destination {self.peer_id!r} is not connected")
-            elif not isinstance(exc, (OmniAsyncError, TypeError, ValueError)):
-                log.error("save %d of %r could not start", item.index, item.request_id, exc_info=exc)
-            self._settle(item.future, exc)
+            self._finish(item, exc)
             return
-        transfer.add_done_callback(partial(self._saved, item.future))
+        transfer.add_done_callback(partial(self._saved, item))
+
+    def _send_many(self, items: list[_Save]) -> None:
+        """Start several saves (each with its window share taken) through one call of the
+        connector; each ends as :meth:`_send` would end it."""
+        assert self.peer_id is not None
+        self.connector.put_many_nowait(
+            self.peer_id,
+            [(self._key(item.request_id, item.index), _envelope(item)) for item in items],
+            partial(self._many_done, items),
+        )
+
+    def _many_done(self, items: list[_Save], index: int, error: BaseException | None) -> None:
+        self._finish(items[index], error)
+
+    def _finish(self, item: _Save, error: BaseException | None) -> None:
+        """A save settled, or could not start: free its window share and settle its future."""
+        self._window.release()
+        if isinstance(error, UnknownPeer):
+            error = PeerLost(f"destination {self.peer_id!r} is not connected")
+        elif error is not None and not isinstance(error, (OmniAsyncError, TypeError, ValueError)):
+            log.error("save %d of %r could not start", item.index, item.request_id, exc_info=error)
+        self._settle(item.future, error)
 
     def _save_loop_ended(self, task: asyncio.Task[None]) -> None:
         """The save loop only ends when :meth:`close` cancels it; if it died anyway (or someone
@@ -210,9 +235,8 @@ class TransferAdapter:
         for future in list(self._unsettled):
             self._settle(future, ClosedError(self._broken))
 
-    def _saved(self, future: asyncio.Future[None], transfer: Transfer) -> None:
-        self._window.release()
-        self._settle(future, transfer.error())
+    def _saved(self, item: _Save, transfer: Transfer) -> None:
+        self._finish(item, transfer.error())
 
     def _settle(self, future: asyncio.Future[None], error: BaseException | None) -> None:
         """The one way a save's future ends (unless its owner cancels it): resolved, or failed
@@ -460,6 +484,11 @@ class TransferAdapter:
 
     def _key(self, request_id: str, index: int) -> str:
         return f"{request_id}:{self.stage}:{index}"
+
+
+def _envelope(item: _Save) -> dict[str, Any]:
+    """What travels for a save: the chunk and its flags."""
+    return {"final": item.final, "cancelled": item.cancelled, "data": item.data}
 
 
 def _acquire_nowait(window: asyncio.Semaphore) -> bool:

@@ -293,6 +293,10 @@ class Agent(Startable):
         """See :meth:`UcxTransport.send_message`."""
         return self.transport.send_message(peer_id, key, meta, frames)
 
+    def batch_bytes(self, peer_id: str) -> int:
+        """See :meth:`UcxTransport.batch_bytes`."""
+        return self.transport.batch_bytes(peer_id)
+
     def set_message_sink(self, sink: MessageSink | None) -> None:
         """Where incoming chunk messages go (see :data:`~omni_async.transport.MessageSink`)."""
         self.transport.message_sink = sink

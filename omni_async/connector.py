@@ -34,18 +34,20 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import pairwise
 from typing import Any, ClassVar
 
 import msgspec
 import xxhash
 
-from . import serde
+from . import batch, serde
 from .agent import Agent, PeerEvent
 from .config import ConnectorSpec, Positive, PositiveSeconds
 from .errors import (
+    BatchRefused,
     BufferFull,
     ClosedError,
     ConfigError,
@@ -78,6 +80,21 @@ class Connector(ABC):
     async def put(self, peer_id: str, key: str, payload: serde.Payload) -> None:
         """Send and wait for the receiver's acknowledgement."""
         await self.put_nowait(peer_id, key, payload)
+
+    def put_many_nowait(self, peer_id: str, items: Sequence[tuple[str, serde.Payload]], done: PutDone) -> None:
+        """Start sending several ``(key, payload)`` items to one peer; ``done(index, error)``
+        runs once for each item when it settles (``error`` None: acknowledged, else what
+        :meth:`put_nowait` would have raised or failed it with), possibly before this returns.
+
+        A connector may send them together; each item keeps the outcome it would have alone.
+        This default sends each alone."""
+        for index, (key, payload) in enumerate(items):
+            try:
+                transfer = self.put_nowait(peer_id, key, payload)
+            except Exception as exc:
+                done(index, exc)
+                continue
+            transfer.add_done_callback(partial(_settled, done, index))
 
     @abstractmethod
     def wait_for(self, key: str, *, source: str | None = None) -> asyncio.Future[dict[str, Any]]:
@@ -112,6 +129,14 @@ class Connector(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Fail every wait with :class:`ClosedError` and drop buffered payloads.  Idempotent."""
+
+
+PutDone = Callable[[int, BaseException | None], None]
+"""``done(index, error)``: item ``index`` of a :meth:`Connector.put_many_nowait` settled."""
+
+
+def _settled(done: PutDone, index: int, transfer: Transfer) -> None:
+    done(index, transfer.error())
 
 
 _REGISTRY: dict[str, Callable[..., Connector]] = {}
@@ -183,6 +208,10 @@ class _Stored:
     space: asyncio.Future[None] | None
 
 
+_Encoded = tuple[int, str, bytes, list[Any]]
+"""An item of a :meth:`UcxConnector.put_many_nowait` ready to send: its index, key, header and frames."""
+
+
 @register_connector("ucx")
 class UcxConnector(Connector):
     """The default connector: payloads as chunk messages over the agent's UCX lanes."""
@@ -222,12 +251,76 @@ class UcxConnector(Connector):
         return len(self._waiters)
 
     def put_nowait(self, peer_id: str, key: str, payload: serde.Payload) -> Transfer:
+        """See :meth:`Connector.put_nowait`; also raises ``ValueError`` for a key that starts
+        with ``"\\x00"`` (the connector's own, :data:`omni_async.batch.RESERVED`)."""
+        header, frames = self._encode(key, payload)
+        return self.agent.send_message(peer_id, key, header, frames)
+
+    def put_many_nowait(self, peer_id: str, items: Sequence[tuple[str, serde.Payload]], done: PutDone) -> None:
+        """See :meth:`Connector.put_many_nowait`: small items go together, as many a message as
+        travels whole to the peer (:func:`omni_async.batch.plan`, ``Agent.batch_bytes``); a
+        batch the receiver does not take whole is sent again one item at a time."""
+        encoded: list[_Encoded] = []
+        for index, (key, payload) in enumerate(items):
+            try:
+                header, frames = self._encode(key, payload)
+            except Exception as exc:
+                done(index, exc)
+                continue
+            encoded.append((index, key, header, frames))
+        try:
+            max_bytes = self.agent.batch_bytes(peer_id)
+        except OmniAsyncError:  # (an unknown peer: each alone, each fails on its own)
+            max_bytes = 0
+        sizes = [(sum(frame.nbytes for frame in frames), len(key) + len(header) + 8, len(frames))
+                 for _, key, header, frames in encoded]
+        for start, end in pairwise([0, *batch.plan(sizes, max_bytes), len(encoded)]):
+            if end - start == 1:
+                self._send_one(peer_id, encoded[start], done)
+            elif end > start:
+                self._send_batch(peer_id, encoded[start:end], done)
+
+    def _encode(self, key: str, payload: serde.Payload) -> tuple[bytes, list[Any]]:
         if self._closed:
             raise ClosedError("connector is closed")
+        if type(key) is str and key.startswith(batch.RESERVED):
+            raise ValueError(f"keys starting with {batch.RESERVED!r} are the connector's own: {key!r}")
         header, frames = serde.encode(payload)
         if self.options.checksum:
             header = _digest(header, frames) + header
-        return self.agent.send_message(peer_id, key, header, frames)
+        return header, frames
+
+    def _send_one(self, peer_id: str, item: _Encoded, done: PutDone) -> None:
+        index, key, header, frames = item
+        try:
+            transfer = self.agent.send_message(peer_id, key, header, frames)
+        except Exception as exc:
+            done(index, exc)
+            return
+        transfer.add_done_callback(partial(_settled, done, index))
+
+    def _send_batch(self, peer_id: str, items: list[_Encoded], done: PutDone) -> None:
+        meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])
+        if self.options.checksum:
+            meta = _digest(meta, []) + meta  # (each item's header carries the digest of its frames)
+        try:
+            transfer = self.agent.send_message(
+                peer_id, batch.BATCH_KEY, meta, [frame for *_, frames in items for frame in frames]
+            )
+        except Exception as exc:
+            for index, *_ in items:
+                done(index, exc)
+            return
+        transfer.add_done_callback(partial(self._batch_settled, peer_id, items, done))
+
+    def _batch_settled(self, peer_id: str, items: list[_Encoded], done: PutDone, transfer: Transfer) -> None:
+        error = transfer.error()
+        if isinstance(error, BatchRefused):  # not taken whole: each alone, for its own outcome
+            for item in items:
+                self._send_one(peer_id, item, done)
+            return
+        for index, *_ in items:
+            done(index, error)
 
     def wait_for(self, key: str, *, source: str | None = None) -> asyncio.Future[dict[str, Any]]:
         """See :meth:`Connector.wait_for`.  With ``source``, only that peer's payload for ``key``
@@ -356,9 +449,7 @@ class UcxConnector(Connector):
             self._forget_empty(key)
             raise BufferFull(f"{self._count} payloads are buffered already (max_buffered_payloads)")
         if not self._held and self._acked_bytes + nbytes <= limit:
-            candidates[peer_id] = _Stored(key, peer_id, payload, nbytes, None)
-            self._count += 1
-            self._acked_bytes += nbytes
+            self._store(peer_id, key, payload, nbytes)
             return None
         if self._held and self._held_bytes + nbytes > limit:
             self._forget_empty(key)
@@ -369,6 +460,12 @@ class UcxConnector(Connector):
         self._held_bytes += nbytes
         self._held[stored] = self._loop.call_later(self.agent.config.transfer_timeout, self._expire, stored)
         return space
+
+    def _store(self, peer_id: str, key: str, payload: dict[str, Any], nbytes: int) -> None:
+        """Buffer a payload, acknowledged (the caller checked the limits)."""
+        self._stored.setdefault(key, {})[peer_id] = _Stored(key, peer_id, payload, nbytes, None)
+        self._count += 1
+        self._acked_bytes += nbytes
 
     def _expire(self, stored: _Stored) -> None:
         """A payload held as long as its sender waits for the acknowledgement (``transfer_timeout``)
@@ -386,6 +483,9 @@ class UcxConnector(Connector):
     def _on_message(self, peer_id: str, key: str, meta: bytes, frames: Frames) -> Awaitable[None] | None:
         if self._closed:
             raise ClosedError("connector closed")
+        if key == batch.BATCH_KEY:
+            self._on_batch(peer_id, meta, frames)
+            return None
         if self._refused and key[: key.rfind(":") + 1] in self._refused:
             raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
         waiter = self._waiters.get(key)
@@ -410,6 +510,54 @@ class UcxConnector(Connector):
             self._hand_over(key, waiter).set_result(payload)
             return None
         return self._buffer(peer_id, key, payload, sum(frame.nbytes for frame in frames))
+
+    def _on_batch(self, peer_id: str, meta: bytes, frames: Frames) -> None:
+        """Take every item of a batch now (see :mod:`omni_async.batch`), or none: raises
+        :class:`BatchRefused` (the sender sends each alone) if one item would not be taken at
+        once (refused, awaited from another peer, buffered already, not decodable, or the
+        buffer's limits would hold its acknowledgement back or refuse it), and
+        :class:`ProtocolError` for a malformed batch."""
+        try:
+            items = batch.decode(_verified(meta, []) if self.options.checksum else meta, len(frames))
+        except ProtocolError as exc:
+            log.warning("invalid batch from %s: %s", peer_id, exc)
+            raise
+        decoded: list[tuple[str, dict[str, Any], int, _Wait | None]] = []
+        buffered = nbytes = 0
+        at = 0
+        for item in items:
+            key, own = item.key, frames[at : at + item.frames]
+            at += item.frames
+            if self._refused and key[: key.rfind(":") + 1] in self._refused:
+                raise BatchRefused(f"{key!r} belongs to a request that was cleaned up")
+            waiter = self._waiters.get(key)
+            if waiter is not None and waiter[0].done():
+                waiter = None  # withdrawn; its done callback has not run yet
+            if waiter is not None and waiter[1] is not None and waiter[1] != peer_id:
+                raise BatchRefused(f"{key!r} is awaited from another peer")
+            if waiter is None and peer_id in self._stored.get(key, ()):
+                raise BatchRefused(f"a payload for {key!r} is buffered already")
+            try:
+                header = _verified(item.header, own) if self.options.checksum else item.header
+                payload = serde.decode(header, own)
+            except Exception:  # sent alone, it fails on its own (and so does its reader's wait)
+                raise BatchRefused(f"{key!r} does not decode") from None
+            size = sum(frame.nbytes for frame in own)
+            if waiter is None:
+                buffered += 1
+                nbytes += size
+            decoded.append((key, payload, size, waiter))
+        if buffered and (
+            self._held
+            or self._count + buffered > self.options.max_buffered_payloads
+            or self._acked_bytes + nbytes > self.options.max_buffered_bytes
+        ):
+            raise BatchRefused("the buffer would not take every payload of the batch at once")
+        for key, payload, size, waiter in decoded:
+            if waiter is not None:
+                self._hand_over(key, waiter).set_result(payload)
+            else:
+                self._store(peer_id, key, payload, size)
 
     def _hand_over(self, key: str, waiter: _Wait) -> asyncio.Future[dict[str, Any]]:
         """Forget a wait this side is about to settle, and its withdraw callback with it (which

@@ -107,6 +107,11 @@ class BufferFull(TransferRefused, code="buffer_full", remote=True):
     """The receiver's buffer for payloads nobody asked for yet is full; try again later."""
 
 
+class BatchRefused(TransferRefused, code="batch_refused", remote=True):
+    """The receiver did not take a batch of payloads whole (see :mod:`omni_async.batch`); the
+    sender then sends each payload alone.  Never reaches a caller."""
+
+
 class ReadsNotAllowed(TransferRefused, code="reads_not_allowed", remote=True):
     """The peer does not allow reads of its region (its ``allow_reads`` is off)."""
 

@@ -22,7 +22,7 @@ from .errors import ProtocolError
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 
 # -- limits ---------------------------------------------------------------------------------
 MAX_CONTROL_BYTES: Final = 16 * 1024

@@ -41,7 +41,7 @@ def test_error_codes_register_themselves() -> None:
     assert set(errors.REMOTE_ERRORS) == {
         "error", "protocol", "rejected", "already_connected", "version", "fingerprint", "layout", "failed",
         "cancelled", "invalid_blocks", "invalid_message", "closed", "unknown_peer", "peer_lost", "deadline", "refused",
-        "buffer_full", "reads_not_allowed"}
+        "buffer_full", "batch_refused", "reads_not_allowed"}
     assert all(cls.code == code for code, cls in errors.REMOTE_ERRORS.items())
     assert "config" not in errors.REMOTE_ERRORS  # local-only errors stay local
     assert type(errors.error_from_code("peer_lost", "gone")) is errors.PeerLost

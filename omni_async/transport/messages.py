@@ -53,6 +53,14 @@ WHOLE_MAX = MAX_HEADER_BYTES
 the header tag (the receiver copies the frames out, as from a ring record); larger ones as a
 header and a payload message received straight into the frames (one UCX send and receive more
 each, ~10 µs each over tcp)."""
+BATCH_RING_BYTES = 256 * 1024
+"""Bytes a batch of payloads (:mod:`omni_async.batch`) to a peer with a ring may hold: one ring
+record, through the shared pool (measured: chunk_8k 32k chunks/s with 64 KiB batches, 45-60k
+with 256 KiB; docs/tuning.md)."""
+BATCH_LANE_BYTES = WHOLE_MAX - 1024
+"""Bytes a batch to a peer over UCX may hold: it still goes whole, as one eager message (a
+larger one went as a header and a rendezvous payload of many frames, after which 256 KiB
+messages over tcp ran a third slower; docs/tuning.md)."""
 RECEIVE_POOL_BYTES = 64 << 20
 """Size of the receive pool (one per transport, made when first needed)."""
 
@@ -79,6 +87,12 @@ class Messages(TransportCore):
         post = partial(self._post_message, link, transfer.id, key, meta, sizes, payload)
         carry_out(link.outbox.submit(transfer.id, [(1 if payload else 0, transfer.nbytes, post)]))
         return transfer
+
+    def batch_bytes(self, peer_id: str) -> int:
+        """The most bytes (frames and meta) one message of a batch of payloads to the peer may
+        hold, so that it travels whole (see :data:`BATCH_RING_BYTES`, :data:`BATCH_LANE_BYTES`).
+        Raises :class:`UnknownPeer`."""
+        return BATCH_RING_BYTES if self._link(peer_id).ring_out is not None else BATCH_LANE_BYTES
 
     def _post_message(
         self, link: PeerLink, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
