@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 fuzz: $(STAMP)
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q --timeout 600 tests/test_wire.py tests/test_serde.py -k fuzz
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q --timeout 600 tests/test_wire.py tests/test_serde.py tests/test_batch.py -k fuzz
 
 soak: $(STAMP)
 	$(PY) -m tests.soak

@@ -6,6 +6,8 @@ import asyncio
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from omni_async import BufferFull, PeerLost, ProtocolError, TransferCancelled, TransferRefused, batch
 from omni_async.config import AdapterOptions
@@ -50,6 +52,47 @@ def test_meta_round_trips_and_every_malformed_batch_is_a_protocol_error():
         with pytest.raises(ProtocolError):
             batch.decode(meta, frames)
             pytest.fail(why)
+
+
+def _decode_or_protocol_error(meta: bytes, frames: int) -> None:
+    try:
+        items = batch.decode(meta, frames)
+    except ProtocolError:
+        return
+    assert 2 <= len(items) <= batch.MAX_ITEMS and sum(item.frames for item in items) == frames
+    assert len({item.key for item in items}) == len(items)
+    assert all(isinstance(item, batch.Item) and not item.key.startswith(batch.RESERVED) for item in items)
+
+
+@given(st.binary(max_size=512), st.integers(0, 2000))
+def test_fuzz_batch_random_bytes(meta, frames):
+    _decode_or_protocol_error(meta, frames)
+
+
+@given(st.data())
+def test_fuzz_batch_mutations(data):
+    items = [batch.Item(f"k{i}", bytes(i), i % 3) for i in range(data.draw(st.integers(2, 5)))]
+    meta = bytearray(batch.encode(items))
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, max(len(meta) - 1, 0)))
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip" and meta:
+            meta[pos] = data.draw(st.integers(0, 255))
+        elif op == "cut":
+            del meta[pos:]
+        else:
+            meta[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+    _decode_or_protocol_error(bytes(meta), data.draw(st.integers(0, 12)))
+
+
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=6) | st.binary(max_size=6),
+    lambda children: st.lists(children, max_size=6),
+    max_leaves=30,
+), st.integers(0, 40))
+def test_fuzz_batch_structured_values(value, frames):
+    """Well-formed msgpack of the wrong shape is a ProtocolError too."""
+    _decode_or_protocol_error(msgspec.msgpack.encode(value), frames)
 
 
 # -- the connector, over real lanes ----------------------------------------------------------
