@@ -486,14 +486,11 @@ class UcxConnector(Connector):
         if key == batch.BATCH_KEY:
             self._on_batch(peer_id, meta, frames)
             return None
-        if self._refused and key[: key.rfind(":") + 1] in self._refused:
-            raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
-        waiter = self._waiters.get(key)
-        if waiter is not None and waiter[0].done():
-            waiter = None  # withdrawn; its done callback has not run yet
-        if waiter is not None and waiter[1] is not None and waiter[1] != peer_id:
-            log.warning("refused %r from %s: it is awaited from %s", key, peer_id, waiter[1])
-            raise TransferRefused(f"{key!r} is awaited from {waiter[1]!r}, not {peer_id!r}")
+        try:
+            waiter = self._claim(peer_id, key)
+        except TransferRefused as exc:
+            log.warning("refused %r from %s: %s", key, peer_id, exc)
+            raise
         try:
             if self.options.checksum:
                 meta = _verified(meta, frames)
@@ -510,6 +507,19 @@ class UcxConnector(Connector):
             self._hand_over(key, waiter).set_result(payload)
             return None
         return self._buffer(peer_id, key, payload, sum(frame.nbytes for frame in frames))
+
+    def _claim(self, peer_id: str, key: str) -> _Wait | None:
+        """The live wait a payload for ``key`` from ``peer_id`` goes to (None: nobody waits, it
+        is buffered).  Raises :class:`TransferCancelled` for a key of a cleaned-up request and
+        :class:`TransferRefused` for a key awaited from another peer."""
+        if self._refused and key[: key.rfind(":") + 1] in self._refused:
+            raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
+        waiter = self._waiters.get(key)
+        if waiter is not None and waiter[0].done():
+            return None  # withdrawn; its done callback has not run yet
+        if waiter is not None and waiter[1] is not None and waiter[1] != peer_id:
+            raise TransferRefused(f"{key!r} is awaited from {waiter[1]!r}, not {peer_id!r}")
+        return waiter
 
     def _on_batch(self, peer_id: str, meta: bytes, frames: Frames) -> None:
         """Take every item of a batch now (see :mod:`omni_async.batch`), or none: raises
@@ -528,13 +538,10 @@ class UcxConnector(Connector):
         for item in items:
             key, own = item.key, frames[at : at + item.frames]
             at += item.frames
-            if self._refused and key[: key.rfind(":") + 1] in self._refused:
-                raise BatchRefused(f"{key!r} belongs to a request that was cleaned up")
-            waiter = self._waiters.get(key)
-            if waiter is not None and waiter[0].done():
-                waiter = None  # withdrawn; its done callback has not run yet
-            if waiter is not None and waiter[1] is not None and waiter[1] != peer_id:
-                raise BatchRefused(f"{key!r} is awaited from another peer")
+            try:
+                waiter = self._claim(peer_id, key)
+            except (TransferCancelled, TransferRefused) as exc:
+                raise BatchRefused(str(exc)) from None
             if waiter is None and peer_id in self._stored.get(key, ()):
                 raise BatchRefused(f"a payload for {key!r} is buffered already")
             try:
