@@ -3,7 +3,9 @@
 A connector is created from a spec shaped like the serving stacks' stage connector config,
 ``{"name": "ucx", "extra": {...}}``, through a registry (:func:`register_connector`,
 :func:`create_connector`).  The default, :class:`UcxConnector`, sends each payload as one chunk
-message over the agent's UCX lanes (header + out-of-band array frames, see :mod:`serde`).
+message over the agent's UCX lanes (header + out-of-band array frames, see :mod:`serde`), or,
+given several at once (:meth:`Connector.put_many_nowait`), small ones together as a batch
+(:mod:`omni_async.batch`).
 
 Receiving side contract: a payload that arrives before anyone asked for it is buffered, up to
 ``max_buffered_bytes`` (checked before it is stored); past that its acknowledgement is held back
