@@ -238,11 +238,12 @@ async def test_a_cleaned_up_request_fails_its_batched_saves_and_no_other(make_se
     assert [(await receiver.load("live")).data["i"] for _ in range(6)] == list(range(6))
 
 
-async def test_a_lost_peer_fails_every_save_of_a_batch(make_service):
+async def test_a_lost_peer_fails_every_item_of_a_batch_in_flight(make_service):
     tx, rx = await pair(make_service)
-    sender = tx.adapter("st", peer_id="rx", options=AdapterOptions(max_in_flight=1))
-    saves = [sender.save_async("r", {"i": i}) for i in range(10)]
-    await rx.close()
-    outcomes = await asyncio.wait_for(asyncio.gather(*saves, return_exceptions=True), 20)
-    assert all(o is None or isinstance(o, PeerLost) for o in outcomes)
-    assert any(isinstance(o, PeerLost) for o in outcomes)
+    keys = count_messages(tx)
+    outcomes = [asyncio.get_running_loop().create_future() for _ in range(5)]
+    tx.connector.put_many_nowait("rx", [(f"l:{i}", {"i": i}) for i in range(5)],
+                                 lambda index, error: outcomes[index].set_result(error))
+    assert await tx.agent.remove_peer("rx")  # before its answer could come: no loop turn in between
+    results = await asyncio.wait_for(asyncio.gather(*outcomes), 10)
+    assert keys == [batch.BATCH_KEY] and all(isinstance(r, PeerLost) for r in results)
