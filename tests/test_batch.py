@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from omni_async import BufferFull, PeerLost, ProtocolError, TransferCancelled, TransferRefused, batch
 from omni_async.config import AdapterOptions
 from omni_async.errors import BatchRefused
+from omni_async.transport.messages import BATCH_LANE_BYTES, BATCH_RING_BYTES
 from omni_async.wire import MAX_FRAMES
 
 from .test_adapter import chunk
@@ -97,9 +98,14 @@ def test_fuzz_batch_structured_values(value, frames):
 
 # -- the connector, over real lanes ----------------------------------------------------------
 async def pair(make_service, **rx_sections):
+    """Two joined services in this process, once their same-host rings are up (what a batch
+    may hold depends on them: ``Agent.batch_bytes``)."""
     tx = await make_service("tx")
     rx = await make_service("rx", **rx_sections)
     await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    async with asyncio.timeout(5):
+        while tx.agent.transport.links["rx"].ring_out is None or rx.agent.transport.links.get("tx") is None:
+            await asyncio.sleep(0.01)
     return tx, rx
 
 
@@ -137,6 +143,7 @@ async def test_a_batch_is_cut_to_what_travels_whole_and_large_payloads_go_alone(
     tx, rx = await pair(make_service)
     keys = count_messages(tx)
     limit = tx.agent.batch_bytes("rx")
+    assert limit == BATCH_RING_BYTES  # the ring is up: records through the shared pool
     big = {"x": np.zeros(limit, np.uint8)}
     items = [("s:0", {"x": np.zeros(8, np.uint8)}), ("s:1", big), ("s:2", {"y": 1}), ("s:3", {"y": 2})]
     assert await put_many(tx.connector, "rx", items) == [None] * 4
@@ -146,6 +153,19 @@ async def test_a_batch_is_cut_to_what_travels_whole_and_large_payloads_go_alone(
     assert keys[3:] == [batch.BATCH_KEY, batch.BATCH_KEY]  # two of a third each, twice
     for key in ["s:0", "s:1", "s:2", "s:3", "t:0", "t:1", "t:2", "t:3"]:
         await rx.connector.get(key, timeout=5)
+
+
+async def test_over_ucx_a_batch_is_one_eager_message_and_arrives_whole(make_service):
+    tx = await make_service("tx", agent={"same_host_lane": False})
+    rx = await make_service("rx", agent={"same_host_lane": False})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    assert tx.agent.batch_bytes("rx") == BATCH_LANE_BYTES
+    keys = count_messages(tx)
+    items = [(f"u:{i}", {"x": np.full(4096, i, np.uint8)}) for i in range(20)]  # ~80 KiB: two batches
+    assert await put_many(tx.connector, "rx", items) == [None] * 20
+    assert keys == [batch.BATCH_KEY, batch.BATCH_KEY]
+    for i in range(20):
+        assert ((await rx.connector.get(f"u:{i}", timeout=5))["x"] == i).all()
 
 
 async def test_a_batch_not_taken_whole_is_sent_again_item_by_item_each_with_its_own_outcome(make_service):
@@ -203,7 +223,7 @@ async def test_batches_carry_checksums_and_are_checked(make_service):
     tx = await make_service("tx", connector={"name": "ucx", "extra": {"checksum": True}})
     rx = await make_service("rx", connector={"name": "ucx", "extra": {"checksum": True}})
     await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
-    keys = count_messages(tx)
+    keys = count_messages(tx)  # (the batch fits either way to go: no wait for the rings)
     items = [(f"c:{i}", {"x": np.arange(50) + i}) for i in range(4)]
     assert await put_many(tx.connector, "rx", items) == [None] * 4
     assert keys == [batch.BATCH_KEY]
