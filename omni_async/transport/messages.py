@@ -58,9 +58,10 @@ BATCH_RING_BYTES = 256 * 1024
 record, through the shared pool (measured: chunk_8k 32k chunks/s with 64 KiB batches, 45-60k
 with 256 KiB; docs/tuning.md)."""
 BATCH_LANE_BYTES = WHOLE_MAX - 1024
-"""Bytes a batch to a peer over UCX may hold: it still goes whole, as one eager message (a
-larger one went as a header and a rendezvous payload of many frames, after which 256 KiB
-messages over tcp ran a third slower; docs/tuning.md)."""
+"""Bytes a batch to a peer over UCX may hold: it goes eagerly, as one message (or, if its
+header is long, as a header and an eager payload), never by rendezvous: a larger one went as a
+header and a rendezvous payload of many frames, after which 256 KiB messages over tcp ran a
+third slower (docs/tuning.md)."""
 RECEIVE_POOL_BYTES = 64 << 20
 """Size of the receive pool (one per transport, made when first needed)."""
 
