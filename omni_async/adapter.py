@@ -175,13 +175,13 @@ class TransferAdapter:
                     await self._window.acquire()
                 finally:
                     self._blocked = False
-            if self._queue.empty() or not _acquire_nowait(self._window):
-                self._send(item)
-                continue
-            items = [item, self._queue.get_nowait()]
+            items = [item]
             while len(items) < MAX_ITEMS and not self._queue.empty() and _acquire_nowait(self._window):
                 items.append(self._queue.get_nowait())
-            self._send_many(items)
+            if len(items) == 1:
+                self._send(item)
+            else:
+                self._send_many(items)
 
     def _take_share(self) -> bool:
         """A share of the window without waiting, for a save that may go at once."""
