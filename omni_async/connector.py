@@ -91,12 +91,7 @@ class Connector(ABC):
         A connector may send them together; each item keeps the outcome it would have alone.
         This default sends each alone."""
         for index, (key, payload) in enumerate(items):
-            try:
-                transfer = self.put_nowait(peer_id, key, payload)
-            except Exception as exc:
-                done(index, exc)
-                continue
-            transfer.add_done_callback(partial(_settled, done, index))
+            _report(index, partial(self.put_nowait, peer_id, key, payload), done)
 
     @abstractmethod
     def wait_for(self, key: str, *, source: str | None = None) -> asyncio.Future[dict[str, Any]]:
@@ -135,6 +130,17 @@ class Connector(ABC):
 
 PutDone = Callable[[int, BaseException | None], None]
 """``done(index, error)``: item ``index`` of a :meth:`Connector.put_many_nowait` settled."""
+
+
+def _report(index: int, start: Callable[[], Transfer], done: PutDone) -> None:
+    """Start item ``index``'s transfer with ``start()``; ``done(index, error)`` once it
+    settles, or at once with what ``start`` raised (it never raises itself)."""
+    try:
+        transfer = start()
+    except Exception as exc:
+        done(index, exc)
+        return
+    transfer.add_done_callback(partial(_settled, done, index))
 
 
 def _settled(done: PutDone, index: int, transfer: Transfer) -> None:
@@ -294,12 +300,7 @@ class UcxConnector(Connector):
 
     def _send_one(self, peer_id: str, item: _Encoded, done: PutDone) -> None:
         index, key, header, frames = item
-        try:
-            transfer = self.agent.send_message(peer_id, key, header, frames)
-        except Exception as exc:
-            done(index, exc)
-            return
-        transfer.add_done_callback(partial(_settled, done, index))
+        _report(index, partial(self.agent.send_message, peer_id, key, header, frames), done)
 
     def _send_batch(self, peer_id: str, items: list[_Encoded], done: PutDone) -> None:
         meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from omni_async import BufferFull, PeerLost, ProtocolError, TransferCancelled, TransferRefused, batch
 from omni_async.config import AdapterOptions
+from omni_async.connector import Connector
 from omni_async.errors import BatchRefused
 from omni_async.transport.messages import BATCH_LANE_BYTES, BATCH_RING_BYTES
 from omni_async.wire import MAX_FRAMES
@@ -267,3 +268,18 @@ async def test_a_lost_peer_fails_every_item_of_a_batch_in_flight(make_service):
     assert await tx.agent.remove_peer("rx")  # before its answer could come: no loop turn in between
     results = await asyncio.wait_for(asyncio.gather(*outcomes), 10)
     assert keys == [batch.BATCH_KEY] and all(isinstance(r, PeerLost) for r in results)
+
+
+async def test_the_connector_default_sends_each_item_alone_with_its_own_outcome(make_service):
+    """``Connector.put_many_nowait`` as a connector without batches inherits it (run here on
+    a real UcxConnector): each item is a ``put_nowait`` of its own, and an item that cannot
+    start is reported at once, in its place."""
+    tx, rx = await pair(make_service)
+    keys = count_messages(tx)
+    outcomes: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in range(3)]
+    items = [("d:0", {"n": 0}), ("\x00d:1", {"n": 1}), ("d:2", {"n": 2})]
+    Connector.put_many_nowait(tx.connector, "rx", items, lambda index, error: outcomes[index].set_result(error))
+    assert isinstance(outcomes[1].result(), ValueError)  # reported before put_many_nowait returned
+    assert await asyncio.wait_for(asyncio.gather(*outcomes), 10) == [None, outcomes[1].result(), None]
+    assert keys == ["d:0", "d:2"]
+    assert [(await rx.connector.get(f"d:{i}", timeout=5))["n"] for i in (0, 2)] == [0, 2]
