@@ -724,6 +724,137 @@ def test_write_blocks_does_not_wait_for_the_loop(make_transport):
     assert np.array_equal(mem_b[9:11], mem_a[5:7])
 
 
+# -- the caller runs the loop -------------------------------------------------------------------------
+def submitted_in(t: SyncDataTransport) -> list[str]:
+    """Fault-free wrapper around the real engine: records the thread each write starts in."""
+    threads: list[str] = []
+    submit = t._engine.submit
+
+    def recording(*args: Any) -> None:
+        threads.append(threading.current_thread().name)
+        submit(*args)
+
+    t._engine.submit = recording  # type: ignore[method-assign]
+    return threads
+
+
+def loop_runner(t: SyncDataTransport) -> threading.Thread | None:
+    return t._portal._driver
+
+
+def test_the_caller_runs_the_loop_and_its_thread_takes_it_back_once_the_caller_is_away(make_transport):
+    """A write starts and its acknowledgement is taken in the caller's thread; once the caller
+    stops calling, the loop's own thread runs the loop again within the lease, so heartbeats
+    keep the pair joined while the caller does other work for longer than their timeout."""
+    mem_a, mem_b = block_memory(seed=31), block_memory()
+    a = make_transport(mem_a, "drive-a")
+    b = make_transport(mem_b, "drive-b")
+    a.add_remote_peer("B", *peer_args(b))
+    threads = submitted_in(a)
+    for i in range(10):  # polled without a pause: the caller keeps the loop between writes
+        tid = a.write_blocks("B", [i], [i])
+        end = time.monotonic() + DEADLINE_S
+        while tid not in a.poll().done:
+            assert time.monotonic() < end, f"write {tid} never reported"
+    # The first went to the loop's thread, which had the loop (add_remote_peer ran there); the
+    # rest start here (one may not, if this thread lost its core for longer than the lease).
+    assert threads[1:].count(threading.current_thread().name) >= 8, threads
+    end = time.monotonic() + DEADLINE_S
+    while loop_runner(a) is not a._portal.thread:  # the lease ran out: the loop thread has it
+        assert time.monotonic() < end, "the loop thread never took the loop back"
+        time.sleep(0.001)
+    time.sleep(2 * TIMINGS["heartbeat_timeout"])  # away for longer than the heartbeat timeout
+    tid = a.write_blocks("B", [7], [11])
+    assert tid is not None and poll_until(a, {tid}).done == [tid]
+    assert np.array_equal(mem_b[[*range(10), 11]], mem_a[[*range(10), 7]])
+
+
+def test_a_caller_inside_an_event_loop_hands_writes_to_the_loop_thread(make_transport):
+    """A thread that runs an event loop of its own cannot run the transport's: its writes go to
+    the loop's thread and its polls wait on the condition, as before."""
+    mem_a, mem_b = block_memory(seed=32), block_memory()
+    a = make_transport(mem_a, "inloop-a")
+    b = make_transport(mem_b, "inloop-b")
+    a.add_remote_peer("B", *peer_args(b))
+    threads = submitted_in(a)
+
+    async def from_a_coroutine() -> PollResult:
+        return poll_until(a, {a.write_blocks("B", [3], [4])})  # (blocking calls, on purpose)
+
+    assert len(asyncio.run(from_a_coroutine()).done) == 1
+    assert threads == [a._portal.thread.name]
+    assert np.array_equal(mem_b[4], mem_a[3])
+
+
+def test_two_caller_threads_write_and_poll_at_once(make_transport):
+    """Callers in two threads take turns running the loop; every write of each is reported
+    (to whichever thread polled it) and lands."""
+    mem_a, mem_b = block_memory(seed=33), block_memory()
+    a = make_transport(mem_a, "threads-a")
+    b = make_transport(mem_b, "threads-b")
+    a.add_remote_peer("B", *peer_args(b))
+    reported: set[int] = set()
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def writer(rows: range) -> None:
+        try:
+            for row in rows:
+                tid = a.write_blocks("B", [row], [row])
+                assert tid is not None
+                end = time.monotonic() + DEADLINE_S
+                while True:
+                    result = a.poll()
+                    assert not result.failed, [a.failure_reason(i) for i in result.failed]
+                    with lock:
+                        reported.update(result.done)
+                        if tid in reported:
+                            break
+                    assert time.monotonic() < end, f"write {tid} never reported"
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=writer, args=(rows,)) for rows in (range(0, 16), range(16, 32))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(2 * DEADLINE_S)
+    assert not errors and not any(worker.is_alive() for worker in workers)
+    assert len(reported) == NUM_BLOCKS and np.array_equal(mem_b, mem_a)
+
+
+def test_closing_while_another_thread_polls_ends_both(make_transport):
+    """``close()`` while another thread polls a write the peer never answers (the peer is held
+    up): the close ends, bounded, and the poller's next call raises ClosedError."""
+    mem_a, mem_b = block_memory(seed=34), block_memory()
+    a = make_transport(mem_a, "closing-a")
+    b = make_transport(mem_b, "closing-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    release = threading.Event()
+    b.loop.call_soon_threadsafe(release.wait, DEADLINE_S)  # b cannot acknowledge until released
+    outcome: list[BaseException] = []
+
+    def poller() -> None:
+        try:
+            a.write_blocks("B", [1], [1])
+            while True:
+                a.poll()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=poller)
+    try:
+        thread.start()
+        time.sleep(0.05)
+        _, elapsed = timed(a.close)
+        thread.join(DEADLINE_S)
+    finally:
+        release.set()
+    assert not thread.is_alive() and elapsed < DEADLINE_S
+    assert len(outcome) == 1 and isinstance(outcome[0], ClosedError)
+
+
 def test_a_write_the_agent_refuses_on_the_loop_is_reported_failed(make_transport):
     """The caller's checks passed but the agent refuses the write once the loop posts it (the
     peer left in between; a UCX error posting it): ``poll`` reports it failed, with the reason."""

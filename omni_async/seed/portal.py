@@ -1,17 +1,27 @@
 """The portal between synchronous callers and an event loop that runs in a thread of its own.
 
 Like anyio's ``BlockingPortal``: a :class:`Portal` owns one event loop (uvloop where installed)
-running forever in a daemon thread, runs coroutines and plain calls on it for callers in other
-threads, and hands completions back to them through books guarded by :attr:`Portal.lock`.
+run by a daemon thread, runs coroutines and plain calls on it for callers in other threads, and
+hands completions back to them through books guarded by :attr:`Portal.lock`.
 
-The hand-back is cheap and never starves the loop.  The loop thread releases the GIL on every
-epoll and ctypes call and then has to win it back; from a caller thread that never blocks (a
-tight ``poll()`` loop, or pure-Python work between polls) that takes up to
-``sys.getswitchinterval()`` (5 ms) each time, which made one 64 KiB write take ~80 ms.  So a
-caller that finds nothing new while work is outstanding waits on :meth:`Portal.wait_for_news`:
-a condition wait, which releases the GIL and ends as soon as the loop calls
-:meth:`Portal.notify` (something settled), or after :data:`NEWS_WAIT_S` at most.  Nothing sleeps
-for a fixed time, and a caller that polls an idle portal never waits.
+A caller may also run the loop itself (:meth:`Portal.driving`, :meth:`Portal.turn`): the hot
+path of the block facade does, so that a write starts and its acknowledgement is taken in the
+caller's own thread, with no hand-over between threads (each cost 30-100 µs of wake-ups here,
+and under a caller that holds the GIL between polls the loop thread could not run at all until
+the next poll).  One thread runs the loop at a time (:attr:`Portal.driving` holds the drive
+lock).  After a caller's last turn the loop stays with the callers for :data:`LEASE_S`; then the
+daemon thread takes it back and runs it until a caller wants it again (which asks it to stop:
+one hand-over per burst of calls, not per call).  So the loop never goes unrun for longer than
+that lease (heartbeats, handshakes and peers' writes keep moving while the caller does other
+work), and an idle portal costs nothing: its daemon thread sleeps in the loop's poll.
+
+The thread-safe hand-offs remain for everything else, and for a caller that cannot drive (a
+thread running an event loop of its own).  A caller that finds nothing new while work is
+outstanding waits on :meth:`Portal.wait_for_news` there: a condition wait, which releases the
+GIL and ends as soon as the loop calls :meth:`Portal.notify` (something settled), or after
+:data:`NEWS_WAIT_S` at most.  (Without it, the loop thread had to win the GIL back from a
+caller thread that never blocks, which took up to ``sys.getswitchinterval()``, 5 ms, each time:
+one 64 KiB write took ~80 ms.)  Nothing sleeps for a fixed time.
 """
 
 from __future__ import annotations
@@ -20,14 +30,16 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from typing import Any, Self, TypeVar, cast
 
 from ..errors import ClosedError, DeadlineExceeded
 from ..eventloop import new_event_loop
 
-__all__ = ["NEWS_WAIT_S", "Facade", "Portal"]
+__all__ = ["LEASE_S", "NEWS_WAIT_S", "Facade", "Portal"]
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +49,20 @@ NEWS_WAIT_S = 0.002
 """The longest a drain (``poll()``, ``get_finished_requests()``) waits for news while work is
 outstanding and nothing settled since the previous drain.  It ends at once when something
 settles; the bound only keeps a caller that polls between other work from stalling long."""
+LEASE_S = 0.002
+"""How long the loop stays with the callers after a caller's last turn before the daemon thread
+runs it again: the longest the loop goes unrun while its callers do other work."""
 
 
 class Portal:
     """An event loop in a daemon thread, bounded hand-offs to it, and completions handed back.
 
     ``owner`` names the facade in errors.  Fields of the owner's books are guarded by
-    :attr:`lock` (the loop thread writes them, callers drain them); :attr:`closed` too.
-    Every method may be called from any thread except the loop's own, where a call that waits
-    for the loop would deadlock and raises :class:`RuntimeError` instead.
+    :attr:`lock` (the loop writes them, callers drain them); :attr:`closed` too.  Whoever runs
+    the loop holds the drive lock: the daemon thread, or a caller within :meth:`driving`; lock
+    order: the drive lock before :attr:`lock`.  Every method may be called from any thread
+    except one that runs the loop now, where a call that waits for the loop would deadlock and
+    raises :class:`RuntimeError` instead.
     """
 
     def __init__(self, name: str, owner: str, *, use_uvloop: bool) -> None:
@@ -54,6 +71,13 @@ class Portal:
         self.closed = False  # locked
         self._news = threading.Condition(self.lock)
         self.loop = new_event_loop(use_uvloop=use_uvloop)
+        self._drive = threading.Lock()  # held by the thread that runs the loop now
+        self._driver: threading.Thread | None = None  # that thread (written with _drive held)
+        self._until_news = False  # the running turn ends at the next notify() (driver's thread)
+        self._lease = threading.Condition()  # the daemon thread waits on it while callers drive
+        self._wanted = 0  # under _lease: callers waiting for the drive lock
+        self._last_turn = 0.0  # monotonic end of the callers' last drive
+        self._ended = False  # under _lease: the daemon thread leaves once its loop stops
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -61,24 +85,124 @@ class Portal:
         loop = self.loop
         asyncio.set_event_loop(loop)
         try:
+            while True:
+                with self._drive:
+                    if time.monotonic() - self._last_turn >= LEASE_S:  # (else a caller took it back meanwhile)
+                        self._driver = self.thread
+                        try:
+                            loop.run_forever()
+                        finally:
+                            self._driver = None
+                if not self._wait_for_callers():
+                    break
+        finally:
+            with self._drive:
+                self._driver = self.thread
+                try:
+                    loop.stop()  # one pass first: it takes the stop requests callers left queued
+                    loop.run_forever()
+                    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+                    for task in tasks:
+                        task.cancel()
+                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                    loop.run_until_complete(loop.shutdown_default_executor())  # its threads too
+                finally:
+                    asyncio.set_event_loop(None)
+                    loop.close()
+
+    def _wait_for_callers(self) -> bool:
+        """Daemon thread, between its runs of the loop: wait while callers drive it (until
+        :data:`LEASE_S` after their last turn); False once the portal ended."""
+        with self._lease:
+            while not self._ended:
+                if self._wanted:
+                    self._lease.wait()
+                    continue
+                left = LEASE_S if self._drive.locked() else self._last_turn + LEASE_S - time.monotonic()
+                if left <= 0:
+                    return True
+                self._lease.wait(left)
+            return False
+
+    def _hand_back(self) -> None:
+        """Let the daemon thread run the loop now (a caller about to wait for it)."""
+        with self._lease:
+            self._last_turn = 0.0
+            self._lease.notify_all()
+
+    # -- callers running the loop ----------------------------------------------------------------
+    @contextmanager
+    def driving(self, wait: float = 0.0) -> Iterator[bool]:
+        """Hold the loop in this thread for the ``with`` block: True, and :meth:`turn` may run
+        it; False where it is not held: the thread runs the loop already or another event loop,
+        the portal is ending, or another thread runs it and did not let go within ``wait``
+        seconds (0: do not ask, do not wait).  Use the thread-safe hand-offs then.
+
+        With ``wait``, whoever runs the loop is asked to let go: the daemon thread stops it
+        (one hand-over), another caller's turn ends (at once, if it waits for news).
+        """
+        me = threading.current_thread()
+        runs_a_loop = me is self.thread or self._driver is me or asyncio._get_running_loop() is not None
+        if runs_a_loop or not self._take_drive(wait):
+            yield False
+            return
+        self._driver = me
+        try:
+            yield True
+        finally:
+            self._driver = None
+            self._last_turn = time.monotonic()
+            self._drive.release()
+
+    def _take_drive(self, wait: float) -> bool:
+        """Take the drive lock within ``wait`` seconds, asking whoever runs the loop to let go
+        (if ``wait``); False if not taken (or the portal ended)."""
+        if self._drive.acquire(blocking=False):
+            self._last_turn = time.monotonic()
+        else:
+            if wait <= 0:
+                return False
+            with self._lease:
+                if self._ended:
+                    return False
+                self._wanted += 1
+                self.loop.call_soon_threadsafe(self.loop.stop)  # (the loop closes only once ended)
+            try:
+                if not self._drive.acquire(timeout=wait):
+                    return False
+                self._last_turn = time.monotonic()
+            finally:
+                with self._lease:
+                    self._wanted -= 1
+                    self._lease.notify_all()
+        if self._ended:
+            self._drive.release()
+            return False
+        return True
+
+    def turn(self, wait: float) -> None:
+        """Run the loop in this thread (inside :meth:`driving`, which returned True) until
+        :meth:`notify` (something settled), another thread's :meth:`driving` asks for it, or
+        ``wait`` seconds passed; blocked in the loop's poll meanwhile (the GIL released)."""
+        loop = self.loop
+        timer = loop.call_later(wait, loop.stop)
+        self._until_news = True
+        try:
             loop.run_forever()
         finally:
-            try:
-                tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-                for task in tasks:
-                    task.cancel()
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())  # its threads too
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
+            self._until_news = False
+            timer.cancel()
 
     # -- checks --------------------------------------------------------------------------------
     def check_caller(self) -> None:
-        """Raise :class:`RuntimeError` on the loop's own thread (waiting there would deadlock)."""
-        if threading.current_thread() is self.thread:
+        """Raise :class:`RuntimeError` in a thread that runs the loop (waiting there would deadlock)."""
+        if self._runs_loop():
             raise RuntimeError(f"{self.owner} must not be called from its own event-loop thread")
+
+    def _runs_loop(self) -> bool:
+        me = threading.current_thread()
+        return me is self.thread or self._driver is me
 
     def check_open(self) -> None:
         """Raise :class:`ClosedError` once :meth:`stop` began."""
@@ -96,6 +220,7 @@ class Portal:
         """
         self.check_caller()
         future = asyncio.run_coroutine_threadsafe(_boxed(coro), self.loop)
+        self._hand_back()
         try:
             ok, value = future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -125,6 +250,7 @@ class Portal:
                 future.set_exception(exc)
 
         self.post(invoke)
+        self._hand_back()
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -143,17 +269,20 @@ class Portal:
 
     # -- completions handed back -----------------------------------------------------------------
     def notify(self) -> None:
-        """Wake callers waiting in :meth:`wait_for_news`.  Loop thread, with :attr:`lock` held."""
+        """Wake callers waiting in :meth:`wait_for_news`, and end a :meth:`turn` waiting for
+        news.  On the loop, with :attr:`lock` held."""
         self._news.notify_all()
+        if self._until_news:
+            self.loop.stop()
 
     def wait_for_news(self) -> None:
         """Release the GIL (and :attr:`lock`) until :meth:`notify` or :data:`NEWS_WAIT_S` passed.
 
         Caller's thread, with :attr:`lock` held; the caller re-reads its books afterwards.
-        Call it only when work is outstanding and nothing new was found.  On the loop's own
-        thread it returns at once (nothing could settle while it waited).
+        Call it only when work is outstanding and nothing new was found.  In a thread that
+        runs the loop it returns at once (nothing could settle while it waited).
         """
-        if threading.current_thread() is not self.thread:
+        if not self._runs_loop():
             self._news.wait(NEWS_WAIT_S)
 
     # -- stopping --------------------------------------------------------------------------------
@@ -162,19 +291,21 @@ class Portal:
 
         ``close()`` is never cancelled by this wait (a cut-short close leaves sockets bound and
         UCX workers alive): ``timeout`` is a safety bound far above the bounded close it waits
-        for, logged if passed.  Idempotent.  On the loop thread itself (a finalizer run there)
-        nothing may wait, so the close then finishes on the loop.
+        for, logged if passed.  Idempotent.  In a thread that runs the loop (a finalizer run
+        there) nothing may wait, so the close then finishes on the loop, run by the daemon
+        thread.
         """
         with self.lock:
             self.closed = True
             self._news.notify_all()
-        if threading.current_thread() is self.thread:
+        if self._runs_loop():
             self.loop.create_task(self._close_and_stop(close), name=f"{self.owner}-close")
             return
         if not self.thread.is_alive() or self.loop.is_closed():
             return
         if close is not None:
             future = asyncio.run_coroutine_threadsafe(_boxed(close()), self.loop)
+            self._hand_back()
             try:
                 ok, error = future.result(timeout)
             except concurrent.futures.TimeoutError:
@@ -184,6 +315,7 @@ class Portal:
             else:
                 if not ok:
                     log.error("closing the %s failed: %r", self.owner, error)
+        self._end()
         try:
             self.loop.call_soon_threadsafe(self.loop.stop)
         except RuntimeError:  # the loop closed meanwhile
@@ -197,7 +329,15 @@ class Portal:
             if close is not None:
                 await close()
         finally:
+            self._end()
             self.loop.stop()
+
+    def _end(self) -> None:
+        """No caller drives the loop from now on; the daemon thread leaves once its run of
+        the loop stops (and runs it at once if it was waiting for the callers)."""
+        with self._lease:
+            self._ended = True
+            self._lease.notify_all()
 
 
 class Facade:
