@@ -91,6 +91,11 @@ def poll_until(t: SyncDataTransport, ids: set[int], seen: PollResult | None = No
     return PollResult(done, failed)
 
 
+def loop_runner(t: SyncDataTransport) -> threading.Thread | None:
+    """The thread that runs the transport's loop now (None: nobody, between runs)."""
+    return t._portal._driver
+
+
 def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     start = time.perf_counter()
     value = fn(*args)
@@ -710,6 +715,10 @@ def test_write_blocks_does_not_wait_for_the_loop(make_transport):
     b = make_transport(mem_b, "nowait-b")
     a.add_remote_peer("B", *peer_args(b))
     assert poll_until(a, {a.write_blocks("B", [0], [0])}).done  # the lane is up
+    end = time.monotonic() + DEADLINE_S
+    while loop_runner(a) is not a._portal.thread:  # (this thread ran the loop last: the lease)
+        assert time.monotonic() < end, "the loop's thread never took the loop back"
+        time.sleep(0.001)
     release = threading.Event()
     a.loop.call_soon_threadsafe(release.wait, DEADLINE_S)  # the loop thread is busy until released
     try:
@@ -736,10 +745,6 @@ def submitted_in(t: SyncDataTransport) -> list[str]:
 
     t._engine.submit = recording  # type: ignore[method-assign]
     return threads
-
-
-def loop_runner(t: SyncDataTransport) -> threading.Thread | None:
-    return t._portal._driver
 
 
 def test_the_caller_runs_the_loop_and_its_thread_takes_it_back_once_the_caller_is_away(make_transport):

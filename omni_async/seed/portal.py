@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any, Self, TypeVar, cast
 
 from ..errors import ClosedError, DeadlineExceeded
@@ -76,7 +78,7 @@ class Portal:
         self._until_news = False  # the running turn ends at the next notify() (driver's thread)
         self._lease = threading.Condition()  # the daemon thread waits on it while callers drive
         self._wanted = 0  # under _lease: callers waiting for the drive lock
-        self._last_turn = 0.0  # monotonic end of the callers' last drive
+        self._last_turn = 0.0  # monotonic end of the callers' last turn of the loop
         self._ended = False  # under _lease: the daemon thread leaves once its loop stops
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -152,15 +154,12 @@ class Portal:
             yield True
         finally:
             self._driver = None
-            self._last_turn = time.monotonic()
             self._drive.release()
 
     def _take_drive(self, wait: float) -> bool:
         """Take the drive lock within ``wait`` seconds, asking whoever runs the loop to let go
         (if ``wait``); False if not taken (or the portal ended)."""
-        if self._drive.acquire(blocking=False):
-            self._last_turn = time.monotonic()
-        else:
+        if not self._drive.acquire(blocking=False):
             if wait <= 0:
                 return False
             with self._lease:
@@ -171,7 +170,6 @@ class Portal:
             try:
                 if not self._drive.acquire(timeout=wait):
                     return False
-                self._last_turn = time.monotonic()
             finally:
                 with self._lease:
                     self._wanted -= 1
@@ -184,15 +182,20 @@ class Portal:
     def turn(self, wait: float) -> None:
         """Run the loop in this thread (inside :meth:`driving`, which returned True) until
         :meth:`notify` (something settled), another thread's :meth:`driving` asks for it, or
-        ``wait`` seconds passed; blocked in the loop's poll meanwhile (the GIL released)."""
+        ``wait`` seconds passed; blocked in the loop's poll meanwhile (the GIL released).  The
+        loop stays with the callers for :data:`LEASE_S` after it.  In the main thread a SIGINT
+        that comes meanwhile is held until the run ends (no callback of the loop is cut in
+        half by a ``KeyboardInterrupt``), then handed to the handler that was installed."""
         loop = self.loop
         timer = loop.call_later(wait, loop.stop)
         self._until_news = True
         try:
-            loop.run_forever()
+            with _sigint_held():
+                loop.run_forever()
         finally:
             self._until_news = False
             timer.cancel()
+            self._last_turn = time.monotonic()
 
     # -- checks --------------------------------------------------------------------------------
     def check_caller(self) -> None:
@@ -370,13 +373,36 @@ class Facade:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The event loop the facade's core runs on, in its daemon thread."""
+        """The event loop the facade's core runs on: in its daemon thread, or (the block facade)
+        in a caller's thread during its calls and for :data:`LEASE_S` after them.  Hand it
+        work only thread-safely (``call_soon_threadsafe``, ``run_coroutine_threadsafe``)."""
         return self._portal.loop
 
     def _stop(self) -> None:
         """Stop the portal (idempotent); refused on the loop's own thread."""
         self._portal.check_caller()
         self._finalizer()
+
+
+@contextmanager
+def _sigint_held() -> Iterator[None]:
+    """In the main thread: hold a SIGINT that arrives during the block, then hand it to the
+    handler installed before (a Python-level one; an ignored or default SIGINT is left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    held: list[FrameType | None] = []
+    signal.signal(signal.SIGINT, lambda _signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            previous(signal.SIGINT, held[0])
 
 
 async def _boxed(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:

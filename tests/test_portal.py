@@ -1,0 +1,77 @@
+"""The portal between synchronous callers and its event loop (``omni_async.seed.portal``):
+who runs the loop, and what a caller's turn of it holds back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from omni_async.seed.portal import LEASE_S, Portal
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def portal():
+    made = Portal("omni-test-portal", "test portal", use_uvloop=False)
+    yield made
+    made.stop(None, 5.0)
+    assert not made.thread.is_alive()
+
+
+def test_a_caller_takes_the_loop_and_its_thread_takes_it_back_after_the_lease(portal):
+    ran_in: list[str] = []
+    with portal.driving(1.0) as driving:
+        assert driving and portal._driver is threading.current_thread()
+        portal.loop.call_soon(lambda: ran_in.append(threading.current_thread().name))
+        portal.turn(0.01)
+    assert ran_in == [threading.current_thread().name]
+    end = time.monotonic() + 5
+    while portal._driver is not portal.thread:  # within the lease and a few wake-ups
+        assert time.monotonic() < end, "the loop's thread never took the loop back"
+        time.sleep(LEASE_S / 4)
+    portal.loop.call_soon_threadsafe(lambda: ran_in.append(threading.current_thread().name))
+    end = time.monotonic() + 5
+    while len(ran_in) < 2:
+        assert time.monotonic() < end
+        time.sleep(0.001)
+    assert ran_in[1] == portal.thread.name
+
+
+def test_without_waiting_a_caller_does_not_take_a_loop_another_thread_runs(portal):
+    with portal.driving(0.0) as driving:  # the loop's thread has it (no caller ran it yet)
+        assert not driving
+    with portal.driving(1.0) as driving:  # asked, it lets go
+        assert driving
+
+
+def test_a_sigint_during_a_callers_turn_waits_for_the_callback_it_lands_in(portal):
+    """A KeyboardInterrupt raised inside a loop callback would leave the transport's state half
+    changed: during a turn in the main thread the signal is held, and raised once it ends."""
+    finished: list[bool] = []
+
+    def interrupted_callback() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        total = 0
+        for i in range(10_000):  # bytecode a KeyboardInterrupt would land in
+            total += i
+        finished.append(total > 0)
+
+    with portal.driving(1.0) as driving:
+        assert driving
+        portal.loop.call_soon(interrupted_callback)
+        with pytest.raises(KeyboardInterrupt):
+            portal.turn(0.05)
+    assert finished == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_calls_that_wait_for_the_loop_are_refused_in_a_thread_that_runs_it(portal):
+    with portal.driving(1.0) as driving:
+        assert driving
+        with pytest.raises(RuntimeError, match="event-loop thread"):
+            portal.check_caller()
