@@ -774,6 +774,26 @@ def test_the_caller_runs_the_loop_and_its_thread_takes_it_back_once_the_caller_i
     assert np.array_equal(mem_b[[*range(10), 11]], mem_a[[*range(10), 7]])
 
 
+def test_writes_with_no_poll_after_them_complete_on_the_loops_thread(make_transport):
+    """A caller that writes and then does other work (no poll) leaves the loop to its thread:
+    the writes are acknowledged and settled before the caller polls again."""
+    mem_a, mem_b = block_memory(seed=35), block_memory()
+    a = make_transport(mem_a, "nopoll-a")
+    b = make_transport(mem_b, "nopoll-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    tids = [a.write_blocks("B", [i], [i]) for i in range(1, 9)]
+    end = time.monotonic() + DEADLINE_S
+    while True:
+        with a._portal.lock:
+            if len(a._engine.settled) == len(tids):
+                break
+        assert time.monotonic() < end, "writes with no poll after them never settled"
+        time.sleep(0.005)
+    assert sorted(a.poll().done) == tids
+    assert np.array_equal(mem_b[:9], mem_a[:9])
+
+
 def test_a_caller_inside_an_event_loop_hands_writes_to_the_loop_thread(make_transport):
     """A thread that runs an event loop of its own cannot run the transport's: its writes go to
     the loop's thread and its polls wait on the condition, as before."""
