@@ -387,7 +387,8 @@ class Facade:
 @contextmanager
 def _sigint_held() -> Iterator[None]:
     """In the main thread: hold a SIGINT that arrives during the block, then hand it to the
-    handler installed before (a Python-level one; an ignored or default SIGINT is left alone)."""
+    handler installed before (a Python-level one; an ignored, default or C-level SIGINT
+    handler is left alone).  ~11 µs here: a look and a handler swap each way."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
