@@ -1,15 +1,15 @@
 """The portal between synchronous callers and an event loop that runs in a thread of its own.
 
-Like anyio's ``BlockingPortal``: a :class:`Portal` owns one event loop (uvloop where installed)
-run by a daemon thread, runs coroutines and plain calls on it for callers in other threads, and
+Like anyio's ``BlockingPortal``: a :class:`Portal` owns one event loop (uvloop if asked for and
+installed) run by a daemon thread, runs coroutines and plain calls on it for callers in other threads, and
 hands completions back to them through books guarded by :attr:`Portal.lock`.
 
 A caller may also run the loop itself (:meth:`Portal.driving`, :meth:`Portal.turn`): the hot
 path of the block facade does, so that a write starts and its acknowledgement is taken in the
 caller's own thread, with no hand-over between threads (each cost 30-100 µs of wake-ups here,
 and under a caller that holds the GIL between polls the loop thread could not run at all until
-the next poll).  One thread runs the loop at a time (:attr:`Portal.driving` holds the drive
-lock).  After a caller's last turn the loop stays with the callers for :data:`LEASE_S`; then the
+the next poll).  One thread runs the loop at a time (it holds the drive lock, see
+:meth:`Portal.driving`).  After a caller's last turn the loop stays with the callers for :data:`LEASE_S`; then the
 daemon thread takes it back and runs it until a caller wants it again (which asks it to stop:
 one hand-over per burst of calls, not per call).  So the loop never goes unrun for longer than
 that lease (heartbeats, handshakes and peers' writes keep moving while the caller does other
