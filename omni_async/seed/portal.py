@@ -1,8 +1,8 @@
 """The portal between synchronous callers and an event loop that runs in a thread of its own.
 
 Like anyio's ``BlockingPortal``: a :class:`Portal` owns one event loop (uvloop if asked for and
-installed) run by a daemon thread, runs coroutines and plain calls on it for callers in other threads, and
-hands completions back to them through books guarded by :attr:`Portal.lock`.
+installed) run by a daemon thread, runs coroutines and plain calls on it for callers in other
+threads, and hands completions back to them through books guarded by :attr:`Portal.lock`.
 
 A caller may also run the loop itself (:meth:`Portal.driving`, :meth:`Portal.turn`): the hot
 path of the block facade does, so that a write starts and its acknowledgement is taken in the
