@@ -5,7 +5,8 @@ where SPEC is a list of ``{"path", "num_blocks", "block_len", "config"}``: one
 :class:`~omni_async.compat.SyncDataTransport` per entry over the memory-mapped file ``path``
 (shared with the bench process, which fills and checks it), configured by ``config`` (a mapping
 for :func:`omni_async.load_config`).  The main thread is the caller, as in a NIXL user's program:
-no asyncio in it, the transports' own loops run in their threads.
+no asyncio of its own; each transport's loop runs in the transport's thread, or in this one
+during its ``write_blocks`` and ``poll`` calls (the facade's caller-run loop).
 
 * receiver: prints ``{"peers": [{"metadata" (hex), "base_addr", "num_blocks", "block_len"}]}``
   (one per entry), then only waits (blocked on stdin, so it never holds the GIL) until stdin closes.
