@@ -42,6 +42,7 @@ from omni_async import (
 )
 from omni_async.auth import generate_keypair
 from omni_async.compat import PollResult, SyncDataTransport, decode_agent_metadata
+from omni_async.seed import portal as portal_module
 from omni_async.transport.vetting import shared_vetter_fds
 
 pytestmark = pytest.mark.timeout(60)
@@ -747,31 +748,41 @@ def submitted_in(t: SyncDataTransport) -> list[str]:
     return threads
 
 
-def test_the_caller_runs_the_loop_and_its_thread_takes_it_back_once_the_caller_is_away(make_transport):
+def test_the_caller_runs_the_loop_and_its_thread_takes_it_back_once_the_caller_is_away(make_transport, monkeypatch):
     """A write starts and its acknowledgement is taken in the caller's thread; once the caller
     stops calling, the loop's own thread runs the loop again within the lease, so heartbeats
-    keep the pair joined while the caller does other work for longer than their timeout."""
+    keep the pair joined while the caller does other work for longer than their timeout.  (The
+    lease is stretched to 0.25 s here, so that a loaded machine that takes this thread's core
+    for a few milliseconds between two calls does not hand the loop back meanwhile.)"""
+    monkeypatch.setattr(portal_module, "LEASE_S", 0.25)
     mem_a, mem_b = block_memory(seed=31), block_memory()
     a = make_transport(mem_a, "drive-a")
     b = make_transport(mem_b, "drive-b")
     a.add_remote_peer("B", *peer_args(b))
     threads = submitted_in(a)
-    for i in range(10):  # polled without a pause: the caller keeps the loop between writes
+    me = threading.current_thread().name
+    row = 0
+    while me not in threads:  # the loop's thread had the loop (add_remote_peer ran there)
+        assert row < NUM_BLOCKS - 12, f"no write started in the caller's thread: {threads}"
+        tid = a.write_blocks("B", [row], [row])
+        assert poll_until(a, {tid}).done == [tid]  # a poll that waits takes the loop
+        row += 1
+    taken = len(threads)
+    for i in range(row, row + 9):  # polled without a pause: the caller keeps the loop
         tid = a.write_blocks("B", [i], [i])
         end = time.monotonic() + DEADLINE_S
         while tid not in a.poll().done:
             assert time.monotonic() < end, f"write {tid} never reported"
-    # The first went to the loop's thread, which had the loop (add_remote_peer ran there); the
-    # rest start here (one may not, if this thread lost its core for longer than the lease).
-    assert threads[1:].count(threading.current_thread().name) >= 8, threads
+    assert threads[taken:] == [me] * 9, threads
+    row += 9
     end = time.monotonic() + DEADLINE_S
     while loop_runner(a) is not a._portal.thread:  # the lease ran out: the loop thread has it
         assert time.monotonic() < end, "the loop thread never took the loop back"
         time.sleep(0.001)
     time.sleep(2 * TIMINGS["heartbeat_timeout"])  # away for longer than the heartbeat timeout
-    tid = a.write_blocks("B", [7], [11])
+    tid = a.write_blocks("B", [row], [row])
     assert tid is not None and poll_until(a, {tid}).done == [tid]
-    assert np.array_equal(mem_b[[*range(10), 11]], mem_a[[*range(10), 7]])
+    assert np.array_equal(mem_b[: row + 1], mem_a[: row + 1])
 
 
 def test_writes_with_no_poll_after_them_complete_on_the_loops_thread(make_transport):

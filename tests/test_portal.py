@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from omni_async.seed.portal import LEASE_S, Portal
+from omni_async.seed.portal import Portal
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,10 +30,7 @@ def test_a_caller_takes_the_loop_and_its_thread_takes_it_back_after_the_lease(po
         portal.loop.call_soon(lambda: ran_in.append(threading.current_thread().name))
         portal.turn(0.01)
     assert ran_in == [threading.current_thread().name]
-    end = time.monotonic() + 5
-    while portal._driver is not portal.thread:  # within the lease and a few wake-ups
-        assert time.monotonic() < end, "the loop's thread never took the loop back"
-        time.sleep(LEASE_S / 4)
+    loop_thread_runs_it(portal)  # within the lease and a wake-up
     portal.loop.call_soon_threadsafe(lambda: ran_in.append(threading.current_thread().name))
     end = time.monotonic() + 5
     while len(ran_in) < 2:
@@ -42,8 +39,16 @@ def test_a_caller_takes_the_loop_and_its_thread_takes_it_back_after_the_lease(po
     assert ran_in[1] == portal.thread.name
 
 
+def loop_thread_runs_it(portal: Portal) -> None:
+    end = time.monotonic() + 5
+    while portal._driver is not portal.thread:
+        assert time.monotonic() < end, "the loop's thread never ran the loop"
+        time.sleep(0.001)
+
+
 def test_without_waiting_a_caller_does_not_take_a_loop_another_thread_runs(portal):
-    with portal.driving(0.0) as driving:  # the loop's thread has it (no caller ran it yet)
+    loop_thread_runs_it(portal)
+    with portal.driving(0.0) as driving:
         assert not driving
     with portal.driving(1.0) as driving:  # asked, it lets go
         assert driving
