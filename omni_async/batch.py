@@ -86,8 +86,9 @@ def decode(meta: bytes, frames: int) -> list[Item]:
         items = _decoder.decode(meta)
     except Exception as exc:  # a trust boundary: every decoder failure is a ProtocolError
         raise ProtocolError(f"invalid batch: {exc}") from None
-    if sum(item.frames for item in items) != frames:
-        raise ProtocolError(f"a batch's items name {sum(item.frames for item in items)} frames, {frames} arrived")
+    named = sum(item.frames for item in items)
+    if named != frames:
+        raise ProtocolError(f"a batch's items name {named} frames, {frames} arrived")
     keys = {item.key for item in items}
     if len(keys) != len(items):
         raise ProtocolError("a batch names a key twice")

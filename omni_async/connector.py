@@ -294,9 +294,16 @@ class UcxConnector(Connector):
         if type(key) is str and key.startswith(batch.RESERVED):
             raise ValueError(f"keys starting with {batch.RESERVED!r} are the connector's own: {key!r}")
         header, frames = serde.encode(payload)
-        if self.options.checksum:
-            header = _digest(header, frames) + header
-        return header, frames
+        return self._signed(header, frames), frames
+
+    def _signed(self, meta: bytes, frames: list[Any]) -> bytes:
+        """``meta`` with the digest of it and ``frames`` in front, if ``checksum`` is on."""
+        return _digest(meta, frames) + meta if self.options.checksum else meta
+
+    def _checked(self, meta: bytes, frames: Frames) -> bytes:
+        """What :meth:`_signed` made of ``meta``, its digest checked and stripped (``checksum``
+        on); raises :class:`ProtocolError` on a mismatch."""
+        return _verified(meta, frames) if self.options.checksum else meta
 
     def _send_one(self, peer_id: str, item: _Encoded, done: PutDone) -> None:
         index, key, header, frames = item
@@ -304,8 +311,7 @@ class UcxConnector(Connector):
 
     def _send_batch(self, peer_id: str, items: list[_Encoded], done: PutDone) -> None:
         meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])
-        if self.options.checksum:
-            meta = _digest(meta, []) + meta  # (each item's header carries the digest of its frames)
+        meta = self._signed(meta, [])  # (each item's header carries the digest of its frames)
         try:
             transfer = self.agent.send_message(
                 peer_id, batch.BATCH_KEY, meta, [frame for *_, frames in items for frame in frames]
@@ -495,9 +501,7 @@ class UcxConnector(Connector):
             log.warning("refused %r from %s: %s", key, peer_id, exc)
             raise
         try:
-            if self.options.checksum:
-                meta = _verified(meta, frames)
-            payload = serde.decode(meta, frames)
+            payload = serde.decode(self._checked(meta, frames), frames)
         except Exception as exc:  # the codec raises ProtocolError only; anything else is a bug
             if not isinstance(exc, ProtocolError):
                 log.error("payload decoder failed on %r from %s", key, peer_id, exc_info=exc)
@@ -531,7 +535,7 @@ class UcxConnector(Connector):
         buffer's limits would hold its acknowledgement back or refuse it), and
         :class:`ProtocolError` for a malformed batch."""
         try:
-            items = batch.decode(_verified(meta, []) if self.options.checksum else meta, len(frames))
+            items = batch.decode(self._checked(meta, []), len(frames))
         except ProtocolError as exc:
             log.warning("invalid batch from %s: %s", peer_id, exc)
             raise
@@ -548,8 +552,7 @@ class UcxConnector(Connector):
             if waiter is None and peer_id in self._stored.get(key, ()):
                 raise BatchRefused(f"a payload for {key!r} is buffered already")
             try:
-                header = _verified(item.header, own) if self.options.checksum else item.header
-                payload = serde.decode(header, own)
+                payload = serde.decode(self._checked(item.header, own), own)
             except Exception:  # sent alone, it fails on its own (and so does its reader's wait)
                 raise BatchRefused(f"{key!r} does not decode") from None
             size = sum(frame.nbytes for frame in own)

@@ -357,13 +357,9 @@ def decode_record(payload: bytes | memoryview) -> DataHeader:
     return header
 
 
-def decode_header(buffer: bytes | bytearray | memoryview) -> DataHeader:
-    """Decode a length-prefixed data-plane header from a receive buffer (may be longer)."""
-    return decode_framed(buffer)[0]
-
-
 def decode_framed(buffer: bytes | bytearray | memoryview) -> tuple[DataHeader, int]:
-    """:func:`decode_header`, and where the header ends in ``buffer`` (the offset of what
+    """Decode a length-prefixed data-plane header (:func:`encode_header`) from a receive
+    buffer, which may be longer; returns it and where it ends in ``buffer`` (the offset of what
     follows it: a chunk message's frames, when it came whole)."""
     view = memoryview(buffer)
     if len(view) < _LEN.size:

@@ -24,7 +24,7 @@ from omni_async.wire import (
     RkeyOffer,
     WriteRequest,
     decode_control,
-    decode_header,
+    decode_framed,
     encode_control,
     encode_header,
 )
@@ -302,7 +302,7 @@ async def test_placed_header_out_of_range_is_refused_and_writes_nothing(make_age
 
         def header_arrived(_tag: int, length: int, message: object) -> None:
             buffer = np.empty(length, np.uint8)
-            rogue.lane.recv_arrived(buffer, message, lambda _error: received(decode_header(buffer)))
+            rogue.lane.recv_arrived(buffer, message, lambda _error: received(decode_framed(buffer)[0]))
 
         def received(header: object) -> None:
             if not isinstance(header, RkeyOffer):  # b offers a peer on another lane its keys for puts first

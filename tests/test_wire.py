@@ -20,7 +20,7 @@ from omni_async.wire import (
     WriteRequest,
     data_tag,
     decode_control,
-    decode_header,
+    decode_framed,
     decode_record,
     encode_control,
     encode_header,
@@ -57,8 +57,7 @@ def test_header_round_trip(msg):
     buf = bytearray(wire.MAX_HEADER_BYTES)
     data = encode_header(msg)
     buf[: len(data)] = data
-    assert decode_header(buf) == msg
-    assert wire.decode_framed(buf) == (msg, len(data))  # and where it ends: what follows starts there
+    assert decode_framed(buf) == (msg, len(data))  # and where it ends: what follows starts there
 
 
 @pytest.mark.parametrize("msg", HEADERS, ids=lambda m: type(m).__name__)
@@ -105,26 +104,26 @@ def test_oversized_control_rejected():
 
 def test_header_length_prefix_checked():
     with pytest.raises(ProtocolError):
-        decode_header(b"\x01\x00")
+        decode_framed(b"\x01\x00")
     with pytest.raises(ProtocolError):
-        decode_header(b"\xff\xff\x00\x00" + b"\x00" * 10)
+        decode_framed(b"\xff\xff\x00\x00" + b"\x00" * 10)
     with pytest.raises(ProtocolError):
         encode_header(WriteRequest(transfer_id=1, seq=0, runs=[(1 << 40, 1 << 40)] * 10_000))
 
 
 def test_commit_names_a_request_by_exact_non_negative_ints():
-    assert decode_header(encode_header(Commit(7))) == Commit(7, 0)  # part 0 unless said
+    assert decode_framed(encode_header(Commit(7)))[0] == Commit(7, 0)  # part 0 unless said
     for bad in (Commit(-1), Commit(1, -1), Commit(1, True), Commit("1")):  # type: ignore[arg-type]
         with pytest.raises(ProtocolError):
-            decode_header(encode_header(bad))
+            decode_framed(encode_header(bad))
 
 
 def test_acks_name_one_to_max_acks_non_negative_ints():
     ids = [wire.I64] * wire.MAX_ACKS  # the largest legitimate one fits a header
-    assert decode_header(encode_header(Acks(ids))) == Acks(ids)
+    assert decode_framed(encode_header(Acks(ids)))[0] == Acks(ids)
     for bad in (Acks([]), Acks([1] * (wire.MAX_ACKS + 1)), Acks([-1]), Acks([True]), Acks(["1"])):  # type: ignore[list-item]
         with pytest.raises(ProtocolError):
-            decode_header(encode_header(bad))
+            decode_framed(encode_header(bad))
 
 
 def test_validate_write_bounds_and_limit():
@@ -158,7 +157,7 @@ def _decode_control_or_protocol_error(data: bytes) -> None:
 
 def _decode_header_or_protocol_error(data: bytes) -> None:
     try:
-        msg = decode_header(data)
+        msg = decode_framed(data)[0]
     except ProtocolError:
         return
     assert isinstance(msg, (WriteRequest, MessageHeader, Ack, Acks, Commit))
@@ -216,6 +215,6 @@ def test_worst_case_headers_fit():
     from omni_async.wire import I64, MAX_FRAMES, MAX_KEY, MAX_META_BYTES, RUNS_PER_REQUEST
 
     write = WriteRequest(I64, I64, [(I64 - 1, I64)] * RUNS_PER_REQUEST, False)
-    assert isinstance(decode_header(encode_header(write)), WriteRequest)
+    assert isinstance(decode_framed(encode_header(write))[0], WriteRequest)
     message = MessageHeader(I64, I64, "\U0010ffff" * MAX_KEY, b"m" * MAX_META_BYTES, [I64] * MAX_FRAMES)
-    assert isinstance(decode_header(encode_header(message)), MessageHeader)
+    assert isinstance(decode_framed(encode_header(message))[0], MessageHeader)
