@@ -74,18 +74,14 @@ ROUND_TIMEOUT_S = 60.0
 async def _stream(out: TransferAdapter, inp: TransferAdapter, chunks: dict[tuple[int, int], Any], n: int) -> None:
     """Every chunk of round ``n`` saved, received and checked (raises on a wrong one, and
     ``TimeoutError`` after :data:`ROUND_TIMEOUT_S`)."""
-    async with asyncio.timeout(ROUND_TIMEOUT_S):
-        await _round(out, inp, chunks, n)
 
-
-async def _round(out: TransferAdapter, inp: TransferAdapter, chunks: dict[tuple[int, int], Any], n: int) -> None:
     async def consume(request: int) -> int:
         bad = 0
         async for chunk in inp.stream(f"r{n}-{request}"):
             bad += not chunk_ok(chunk.data, request, chunk.index, TOKENS)
         return bad
 
-    async with asyncio.TaskGroup() as group:  # a failed round cancels and awaits its consumers
+    async with asyncio.timeout(ROUND_TIMEOUT_S), asyncio.TaskGroup() as group:  # a failed round cancels its consumers
         consumers = [group.create_task(consume(r)) for r in range(REQUESTS)]
         await asyncio.gather(*(
             out.save_async(f"r{n}-{r}", chunks[r, i], final=i == CHUNKS - 1)
