@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from omni_async import TransferFailed
-from omni_async.transport import iov
+from omni_async.transport import iov, rma
 from omni_async.transport.lane import Lane, new_context
 from omni_async.transport.samehost import RingReceiver
 from omni_async.wire import FULL_MASK
@@ -382,6 +382,31 @@ def test_iov_of_runs_names_the_rows_of_each_run_in_every_array_in_payload_order(
     rows = [array[local : local + length].reshape(-1) for local, _remote, length in runs for array in arrays]
     assert np.array_equal(iov.iov_of_runs(arrays, runs), iov.iov_of(rows))
     assert iov.iov_of_runs(arrays, runs).dtype == np.uint64
+
+
+def test_puts_of_runs_name_each_runs_rows_here_and_in_the_peers_regions():
+    """A put's local bytes are the run's rows of each array (as the gathered IOV names them),
+    its remote address the peer region's base plus the run's first remote row, its key that
+    region's: run by run, region by region (regions of different row lengths)."""
+    from omni_async.region import plan_runs
+
+    arrays = [np.zeros((64, 256), np.uint8), np.zeros((64, 96), np.uint8)]
+    local = [5, 6, 7, 40, 2, 63]
+    remote = [10, 11, 12, 0, 33, 1]
+    runs = plan_runs(local, remote, 64, 64)
+    assert runs == [(5, 10, 3), (40, 0, 1), (2, 33, 1), (63, 1, 1)]
+    bases, keys = [1 << 40, (1 << 63) + 4096], [0xDEAD, (1 << 64) - 2]
+    puts = rma.puts_of_runs(arrays, runs, bases, keys)
+    expected = [
+        [address, length, bases[i] + run[1] * arrays[i].shape[1], keys[i]]
+        for (address, length), run, i in zip(
+            iov.iov_of_runs(arrays, runs).tolist(), [run for run in runs for _ in arrays], [0, 1] * len(runs),
+            strict=True,
+        )
+    ]
+    assert puts == expected
+    assert puts[0][:2] == [arrays[0][5:8].ctypes.data, 3 * 256]
+    assert all(type(value) is int for put in puts for value in put)
 
 
 def test_address_of_is_the_first_byte_of_any_flat_byte_array():

@@ -33,10 +33,11 @@ from ..wire import (
     encode_record,
 )
 from .core import TransportCore, carry_out
-from .iov import address_of, iov_of_runs
+from .iov import iov_of_runs
 from .limits import check_notice, split_runs
 from .link import PeerLink
 from .ring import RingError
+from .rma import puts_of_runs
 from .transfer import Transfer
 
 log = logging.getLogger(__name__)
@@ -251,14 +252,8 @@ class BlockWrites(TransportCore):
             return
         peer = link.peer
         bases = (peer.base_addr, *(layer.base_addr for layer in peer.layers))
-        lens = self.regions.block_lens
-        rows = self._rows([(local, length) for local, _remote, length in runs])
-        puts: list[tuple[int, int, int, int]] = []
-        layers = len(lens)
-        for i, row in enumerate(rows):
-            remote, layer = runs[i // layers][1], i % layers
-            puts.append((address_of(row), row.nbytes, bases[layer] + remote * lens[layer], keys[layer]))
-        link.lane.put(puts, rows, partial(self._flushed, link, transfer_id, runs))
+        puts = puts_of_runs(self._arrays, runs, bases, keys)
+        link.lane.put(puts, self._arrays, partial(self._flushed, link, transfer_id, runs))
 
     def _flushed(self, link: PeerLink, transfer_id: int, runs: list[Run], error: BaseException | None) -> None:
         if error is not None:

@@ -261,19 +261,15 @@ class Lane:
         self._keys.extend(keys)
         return keys
 
-    def put(self, puts: list[tuple[int, int, int, int]], keepalive: object, done: Completion) -> None:
-        """Post one put per ``(local address, length, remote address, key)`` (a key from
-        :meth:`unpack_keys`), then one flush; ``done`` runs when the flush completed (every
-        put is in the peer's memory) or failed.  The local bytes are borrowed until then
-        (``keepalive`` is referenced meanwhile)."""
+    def put(self, puts: list[list[int]], keepalive: object, done: Completion) -> None:
+        """Post one put per ``[local address, length, remote address, key]`` (a key from
+        :meth:`unpack_keys`; :func:`.rma.puts_of_runs`), then one flush; ``done`` runs when the
+        flush completed (every put is in the peer's memory) or failed.  The local bytes are
+        borrowed until then (``keepalive`` is referenced meanwhile)."""
 
         def post() -> int:
-            endpoint = self._endpoint
-            for local, length, remote, key in puts:
-                request = rma.put(endpoint, local, length, remote, key)
-                if request:
-                    iov.free(request)  # UCX releases it when done; the flush covers it
-            return rma.flush(endpoint)
+            rma.put_all(self._endpoint, puts)
+            return rma.flush(self._endpoint)
 
         self._post(post, keepalive, done)
 

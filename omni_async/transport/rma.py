@@ -20,11 +20,15 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
 import numpy.typing as npt
 
-from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, library
+from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, library, run_table
+
+if TYPE_CHECKING:
+    from ..region import Run
 
 _UCP_MEM_MAP_PARAM_FIELD_ADDRESS: Final = 1 << 0
 _UCP_MEM_MAP_PARAM_FIELD_LENGTH: Final = 1 << 1
@@ -56,7 +60,7 @@ class _Rma:
         self.rkey_buffer_release = _declared(lib.ucp_rkey_buffer_release, None, ptr)
         self.rkey_unpack = _declared(lib.ucp_ep_rkey_unpack, status, ptr, ctypes.c_char_p, ctypes.POINTER(ptr))
         self.rkey_destroy = _declared(lib.ucp_rkey_destroy, None, ptr)
-        self.put = _declared(lib.ucp_put_nbx, ptr, ptr, ptr, size, u64, ptr, param)
+        self.put_nbi = _declared(lib.ucp_put_nbi, status, ptr, ptr, size, u64, ptr)
         self.flush = _declared(lib.ucp_ep_flush_nbx, ptr, ptr, param)
 
 
@@ -135,11 +139,35 @@ def destroy_key(key: int) -> None:
     _rma().rkey_destroy(key)
 
 
-def put(endpoint: int, local: int, length: int, remote: int, key: int) -> int:
-    """Post a put of ``length`` bytes at ``local`` to ``remote`` in the peer's memory (under
-    ``key``); a request to poll or free, or 0 if done.  The local bytes must stay unchanged
-    until a later :func:`flush` completes."""
-    return _checked(_rma().put(endpoint, local, length, remote, key, _CONTIG_REF))
+def puts_of_runs(
+    arrays: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run], bases: Sequence[int], keys: Sequence[int]
+) -> list[list[int]]:
+    """``[local address, length, remote address, key]`` of each run's rows in every region (run
+    by run, region by region): ``arrays`` are ours (2-D, C-contiguous), ``bases`` the peer's
+    region addresses and ``keys`` their unpacked keys, in the same order.  Computed from
+    addresses and row lengths, with no view per row (256 one-block runs: one array pass, not
+    256 views and 256 address look-ups)."""
+    table = run_table(runs)
+    puts = np.empty((len(runs), len(arrays), 4), np.uint64)
+    for i, (array, base, key) in enumerate(zip(arrays, bases, keys, strict=True)):
+        row = np.uint64(array.shape[1])
+        puts[:, i, 0] = np.uint64(array.__array_interface__["data"][0]) + table[:, 0] * row
+        puts[:, i, 1] = table[:, 2] * row
+        puts[:, i, 2] = np.uint64(base) + table[:, 1] * row
+        puts[:, i, 3] = key
+    return puts.reshape(-1, 4).tolist()
+
+
+def put_all(endpoint: int, puts: Sequence[Sequence[int]]) -> None:
+    """Post a put per ``[local address, length, remote address, key]`` (``ucp_put_nbi``: no
+    request to track; a later :func:`flush` covers them).  The local bytes must stay unchanged
+    until that flush completes.  Raises :class:`OSError` with UCX's reason at the first put
+    UCX refuses (the ones before it stay posted)."""
+    put = _rma().put_nbi
+    for local, length, remote, key in puts:
+        status = put(endpoint, local, length, remote, key)
+        if status < 0:
+            raise error(status)
 
 
 def flush(endpoint: int) -> int:
