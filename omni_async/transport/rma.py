@@ -4,7 +4,7 @@ Each side registers the regions of its set with its UCX context (``ucp_mem_map``
 :class:`Registration`) and sends the packed remote keys (``ucp_rkey_pack``) to every such peer
 in a :class:`~omni_async.wire.RkeyOffer`.  The sender unpacks them on its endpoint to that peer
 (``ucp_ep_rkey_unpack``: it parses peer bytes, so a vetting child does it first, see
-:mod:`.vetting`), then writes a request's rows with one ``ucp_put_nbx`` per run and region and
+:mod:`.vetting`), then writes a request's rows with one ``ucp_put_nbi`` per run and region and
 one ``ucp_ep_flush_nbx``; once the flush completed the rows are in the peer's memory and a
 ``placed`` header tells it (:mod:`.block_writes`).
 
