@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from .wire import MAX_LAYERS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockRegion", "Run", "config_fingerprint", "plan_runs"]
+__all__ = ["BlockRegion", "Run", "config_fingerprint", "plan_runs", "run_table"]
 
 
 def config_fingerprint(fields: Mapping[str, Any] | None) -> str:
@@ -213,6 +214,12 @@ with numpy instead was measured slower where it counts: right after a large copy
 evicts numpy's machinery from the caches, 64 µs instead of 47 for 256 scattered pairs.)
 Lists that count up by one on both sides (a contiguous write) are recognised by comparisons
 that run in C and planned as one run without the loop."""
+
+def run_table(runs: Sequence[Run]) -> npt.NDArray[np.uint64]:
+    """``runs`` as a ``(len(runs), 3)`` array of (local, remote, count).  Raises
+    :class:`OverflowError` for a negative value."""
+    return np.fromiter(chain.from_iterable(runs), np.uint64, 3 * len(runs)).reshape(-1, 3)
+
 
 def plan_runs(
     local_idxs: Sequence[int], remote_idxs: Sequence[int], local_blocks: int, remote_blocks: int

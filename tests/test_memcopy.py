@@ -1,11 +1,15 @@
-"""Copies in pieces (:mod:`omni_async.transport.memcopy`): byte-exact, nothing outside the target."""
+"""The same-host lane's copies (:mod:`omni_async.transport.memcopy`): byte-exact, nothing outside the
+target, runs outside either array refused before any byte moves; through the C helper and numpy."""
 
 from __future__ import annotations
+
+import platform
 
 import numpy as np
 import pytest
 
 from omni_async.region import BlockRegion
+from omni_async.transport import memcopy
 from omni_async.transport.memcopy import COPY_PIECE, copy_into
 from omni_async.transport.pool import CONTROL_BYTES, PoolWriter, SharedPool, frame_slots
 from omni_async.transport.shared import MappedRegion
@@ -63,3 +67,85 @@ def test_a_frame_larger_than_a_piece_lands_whole_in_the_shared_pool():
     piece = pool.place(total)
     for at, frame in zip(starts, frames, strict=True):
         assert np.array_equal(piece[at : at + frame.nbytes], frame)
+
+
+def guarded_rows(rows: int, row: int, seed: int) -> np.ndarray:
+    return pattern(rows * row, seed).reshape(rows, row)
+
+
+def expected_copy(dst: np.ndarray, dst_col: int, src: np.ndarray, src_col: int, runs) -> np.ndarray:
+    want = dst.copy()
+    for run in runs:
+        to, of, count = run[dst_col], run[src_col], run[2]
+        want[to : to + count] = src[of : of + count]
+    return want
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "numpy"])
+@pytest.mark.parametrize(("row", "runs"), [
+    (1000, [(0, 7, 1), (3, 2, 2), (9, 0, 1)]),  # odd row length: unaligned rows, short copies
+    (96, [(5, 1, 4)]),  # one short run
+    (64 * 1024, [(2 * i, 31 - i, 1) for i in range(16)]),  # 1 MiB in all: streaming stores
+    (300 * 1024 + 3, [(0, 1, 3), (5, 6, 1)]),  # rows longer than a piece, streaming, unaligned
+])
+def test_copy_runs_copies_each_run_and_nothing_else(monkeypatch, native, row, runs):
+    """Runs of rows land byte-exact in both directions (local → remote and back), whether the C
+    helper copies (streaming stores from STREAM_MIN bytes on) or numpy does; no other row changes."""
+    if not native:
+        monkeypatch.setattr(memcopy, "_helper", lambda: None)
+    rows = 32 if row < 256 * 1024 else 8
+    src = guarded_rows(rows, row, 1)
+    for dst_col, src_col in ((memcopy.REMOTE, memcopy.LOCAL), (memcopy.LOCAL, memcopy.REMOTE)):
+        dst = guarded_rows(rows, row, 2)
+        want = expected_copy(dst, dst_col, src, src_col, runs)
+        memcopy.copy_runs(dst, dst_col, src, src_col, runs)
+        assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "numpy"])
+@pytest.mark.parametrize("bad", [(0, 7, 2), (8, 0, 1), (-1, 0, 1), (0, -1, 1), (0, 0, -1), (0, 0, 1 << 62)])
+def test_copy_runs_refuses_a_run_outside_either_array_before_copying_anything(monkeypatch, native, bad):
+    """A run past the end of either array, or negative, is refused with ValueError, and no row of
+    the target changed, not even those of the good runs before it."""
+    if not native:
+        monkeypatch.setattr(memcopy, "_helper", lambda: None)
+    src, dst = guarded_rows(8, 4096, 3), guarded_rows(8, 4096, 4)
+    before = dst.copy()
+    runs = [(1, 1, 1), (2, 3, 1), (4, 5, 1), bad]  # several runs: the C helper's path
+    with pytest.raises(ValueError):
+        memcopy.copy_runs(dst, memcopy.REMOTE, src, memcopy.LOCAL, runs)
+    assert np.array_equal(dst, before)
+    with pytest.raises(ValueError):
+        memcopy.copy_runs(dst, memcopy.REMOTE, src, memcopy.LOCAL, [bad])  # alone: the one-run path
+    assert np.array_equal(dst, before)
+
+
+def test_copy_runs_refuses_rows_of_different_lengths():
+    with pytest.raises(ValueError, match="rows of"):
+        memcopy.copy_runs(np.zeros((4, 64), np.uint8), 1, np.zeros((4, 32), np.uint8), 0, [(0, 0, 1)])
+
+
+def test_the_c_row_copier_is_built_here():
+    """``make test`` installs the package with its C helper (a C compiler is there): the fast
+    path is the one the suite and the bench run, and the helper has streaming stores on x86-64."""
+    assert memcopy.native()
+    helper = memcopy._helper()
+    assert helper is not None
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert helper.stream_min == memcopy.STREAM_MIN
+
+
+def test_a_mapped_peer_region_refuses_a_write_outside_it_with_an_os_error():
+    """A run outside the peer's mapping (the planning bounds them: this is the last guard) fails
+    the write as any failed same-host copy does (OSError), and nothing is written."""
+    region = BlockRegion.allocate(4, 4096)
+    writer = MappedRegion(share_of(region.segment), 4, 4096)
+    try:
+        src = pattern(8 * 4096, 5).reshape(8, 4096)
+        with pytest.raises(OSError, match="outside the peer's mapped region"):
+            writer.place(src, [(0, 0, 1), (1, 3, 2)])
+        with pytest.raises(OSError, match="outside the peer's mapped region"):
+            writer.fetch(src, [(7, 3, 2)])
+        assert not region.array.any()
+    finally:
+        writer.close()

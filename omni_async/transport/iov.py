@@ -30,16 +30,15 @@ import ctypes
 import functools
 import os
 from collections.abc import Sequence
-from itertools import chain
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from ..region import Run, run_table
+
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr
-
-    from ..region import Run
 
 UCS_OK: Final = 0
 UCS_INPROGRESS: Final = 1
@@ -153,11 +152,6 @@ def iov_of(buffers: list[npt.NDArray[np.uint8]]) -> npt.NDArray[np.uint64]:
     return np.array([(address_of(buffer), buffer.nbytes) for buffer in buffers], np.uint64).reshape(-1, 2)
 
 
-def run_table(runs: Sequence[Run]) -> npt.NDArray[np.uint64]:
-    """``runs`` as a ``(len(runs), 3)`` array of (local, remote, length)."""
-    return np.fromiter(chain.from_iterable(runs), np.uint64, 3 * len(runs)).reshape(-1, 3)
-
-
 def iov_of_runs(arrays: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run]) -> npt.NDArray[np.uint64]:
     """The ``ucp_dt_iov_t`` array of the rows ``[local, local + length)`` of each run
     2-D C-contiguous byte array, run by run and, within a run, array by array (the order of a
@@ -220,7 +214,7 @@ def close(endpoint: int) -> int:
 
 
 def address_of(view: npt.NDArray[np.uint8]) -> int:
-    """The address of a flat byte array's first byte (ctypes on a writable one: a third of
+    """The address of a C-contiguous byte array's first byte (ctypes on a writable one: a third of
     the cost of numpy's ``ctypes.data``; it refuses read-only and empty ones)."""
     if view.nbytes and view.flags.writeable:
         return ctypes.addressof(ctypes.c_char.from_buffer(view.data))

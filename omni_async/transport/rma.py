@@ -20,15 +20,13 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, library, run_table
-
-if TYPE_CHECKING:
-    from ..region import Run
+from ..region import Run, run_table
+from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, library
 
 _UCP_MEM_MAP_PARAM_FIELD_ADDRESS: Final = 1 << 0
 _UCP_MEM_MAP_PARAM_FIELD_LENGTH: Final = 1 << 1

@@ -46,6 +46,7 @@ loopback demo), and ``AgentConfig.same_host_lane = False`` turns it off.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -61,7 +62,7 @@ from ..handshake import PeerInfo
 from ..memfd import SIZE_SEALS, link_name, open_sealed_file
 from ..region import BlockRegion, Run
 from ..wire import RegionShare
-from .memcopy import COPY_PIECE, copy_into
+from .memcopy import LOCAL, REMOTE, copy_runs
 from .vmwrite import VmWriter, permit_writers, proof
 
 log = logging.getLogger(__name__)
@@ -113,24 +114,18 @@ class MappedRegion:
         return self._rows
 
     def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
-        dst = self.rows
-        whole_rows = dst.shape[1] <= COPY_PIECE  # a row is one copy call
-        for local, remote, length in runs:
-            if length == 1 and whole_rows:  # a row by index: cheaper than a one-row slice
-                dst[remote] = src[local]
-            else:
-                copy_into(dst[remote : remote + length], src[local : local + length])
+        try:
+            copy_runs(self.rows, REMOTE, src, LOCAL, runs)
+        except ValueError as exc:  # (the planning bounds them: a bug, failed as a write error)
+            raise OSError(errno.EINVAL, f"write outside the peer's mapped region: {exc}") from None
 
     def fetch(self, dst: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
         """Copy the peer's blocks of each run (``remote``) into ``dst`` (``local``); the runs
-        are already bounded by both layouts."""
-        src = self.rows
-        whole_rows = src.shape[1] <= COPY_PIECE
-        for local, remote, length in runs:
-            if length == 1 and whole_rows:  # as in place()
-                dst[local] = src[remote]
-            else:
-                copy_into(dst[local : local + length], src[remote : remote + length])
+        are already bounded by both layouts (else :class:`OSError`, nothing copied)."""
+        try:
+            copy_runs(dst, LOCAL, self.rows, REMOTE, runs)
+        except ValueError as exc:
+            raise OSError(errno.EINVAL, f"read outside the peer's mapped region: {exc}") from None
 
     def close(self) -> None:
         self._rows = None
