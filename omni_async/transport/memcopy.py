@@ -95,9 +95,12 @@ def copy_runs(
     row = dst.shape[1]
     if src.shape[1] != row:
         raise ValueError(f"rows of {src.shape[1]} bytes copied into rows of {row}")
-    if len(runs) == 1 and runs[0][2] * row < STREAM_MIN:
-        # One short run (a small write): numpy's index and copy cost less than a foreign call.
-        _numpy_runs(dst, dst_col, src, src_col, runs)
+    if len(runs) == 1 and runs[0][2] == 1 and row <= COPY_PIECE:
+        # One row (a small write): numpy's index and copy cost less than a foreign call.
+        to, of = runs[0][dst_col], runs[0][src_col]
+        if not (0 <= to < dst.shape[0] and 0 <= of < src.shape[0]):
+            raise ValueError(f"row {of} of {src.shape[0]} copied to row {to} of {dst.shape[0]}")
+        dst[to] = src[of]
         return
     helper = _native(dst, src)
     if helper is None:

@@ -114,8 +114,11 @@ class MappedRegion:
         return self._rows
 
     def place(self, src: npt.NDArray[np.uint8], runs: Sequence[Run]) -> None:
+        rows = self._rows  # (not the property: a call less on every write)
+        if rows is None:
+            raise OSError("the peer's region is unmapped")
         try:
-            copy_runs(self.rows, REMOTE, src, LOCAL, runs)
+            copy_runs(rows, REMOTE, src, LOCAL, runs)
         except ValueError as exc:  # (the planning bounds them: a bug, failed as a write error)
             raise OSError(errno.EINVAL, f"write outside the peer's mapped region: {exc}") from None
 
