@@ -149,3 +149,17 @@ def test_a_mapped_peer_region_refuses_a_write_outside_it_with_an_os_error():
         assert not region.array.any()
     finally:
         writer.close()
+
+
+def test_the_c_row_copier_refuses_a_column_that_is_neither_local_nor_remote():
+    """The helper reads a run's index at the column it is given: anything but 0 or 1 is refused
+    before any byte moves (never an index read past the run)."""
+    helper = memcopy._helper()
+    assert helper is not None
+    src, dst = guarded_rows(4, 256, 6), guarded_rows(4, 256, 7)
+    before = dst.copy()
+    table = np.array([[0, 1, 1], [2, 3, 1]], np.uint64)
+    for dst_col, src_col in ((2, 0), (1, 3), (-1, 0)):
+        status = helper.copy_runs(dst.ctypes.data, 4, dst_col, src.ctypes.data, 4, src_col, 256, table.ctypes.data, 2, 0)
+        assert status == -1
+    assert np.array_equal(dst, before)

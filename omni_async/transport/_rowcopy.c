@@ -71,10 +71,14 @@ static void fence(int stream) {
 /* Copy runs of rows of `row` bytes: for each of the n runs (three uint64 each: local, remote,
  * count), `count` rows from src row runs[3k + src_col] on go to dst row runs[3k + dst_col] on
  * (columns 0: local, 1: remote).  Every run is checked against `dst_rows` and `src_rows` before
- * any byte moves: returns -1 (nothing copied) if one falls outside either, else 0.  Streaming
- * stores if the runs hold at least `stream_min` bytes (0: never), fenced before returning. */
+ * any byte moves: returns -1 (nothing copied) if one falls outside either (or a column is not
+ * 0 or 1), else 0.  Streaming stores if the runs hold at least `stream_min` bytes (0: never),
+ * fenced before returning. */
 int omni_copy_runs(char *dst, uint64_t dst_rows, int dst_col, const char *src, uint64_t src_rows, int src_col,
                    uint64_t row, const uint64_t *runs, size_t n, uint64_t stream_min) {
+    if ((dst_col | src_col) & ~1) {
+        return -1; /* a column is 0 (local) or 1 (remote) */
+    }
     uint64_t rows = 0;
     for (size_t k = 0; k < n; k++) {
         const uint64_t *run = runs + 3 * k;

@@ -71,7 +71,11 @@ def _helper() -> _Helper | None:
     if spec is None or spec.origin is None:
         log.warning("omni_async's C row copier is not built (no C compiler at install?): copying with numpy")
         return None
-    lib = ctypes.CDLL(spec.origin)
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as exc:
+        log.warning("omni_async's C row copier at %s cannot be loaded (%s): copying with numpy", spec.origin, exc)
+        return None
     version = getattr(lib, "omni_rowcopy_version", None)
     if version is None or version() != _VERSION:
         log.warning("omni_async's C row copier at %s is from another version (reinstall): copying with numpy",
@@ -95,6 +99,8 @@ def copy_runs(
     row = dst.shape[1]
     if src.shape[1] != row:
         raise ValueError(f"rows of {src.shape[1]} bytes copied into rows of {row}")
+    if not runs:
+        return
     if len(runs) == 1 and runs[0][2] == 1 and row <= COPY_PIECE:
         # One row (a small write): numpy's index and copy cost less than a foreign call.
         to, of = runs[0][dst_col], runs[0][src_col]
@@ -105,8 +111,6 @@ def copy_runs(
     helper = _native(dst, src)
     if helper is None:
         _numpy_runs(dst, dst_col, src, src_col, runs)
-        return
-    if not runs:
         return
     try:
         table = run_table(runs)
@@ -128,8 +132,6 @@ def copy_into(dst: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8]) -> None:
     helper = _native(dst, src)
     if helper is not None and nbytes:
         helper.copy(address_of(dst), address_of(src), nbytes, helper.stream_min)
-    elif nbytes <= COPY_PIECE:
-        dst[...] = src
     else:
         to, of = dst.reshape(-1), src.reshape(-1)
         for at in range(0, nbytes, COPY_PIECE):
