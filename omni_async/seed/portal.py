@@ -54,8 +54,9 @@ outstanding and nothing settled since the previous drain.  It ends at once when 
 settles; the bound only keeps a caller that polls between other work from stalling long."""
 
 LEASE_S = 0.002
-"""How long the loop stays with the callers after a caller's last turn before the daemon thread
-runs it again: the longest the loop goes unrun while its callers do other work."""
+"""How long the loop stays with the callers after a caller's last turn (or after the end of a
+call that held the loop and came within the lease of a turn) before the daemon thread runs it
+again: the longest the loop goes unrun while its callers do other work."""
 
 _SIGINT = int(signal.SIGINT)
 
@@ -154,9 +155,16 @@ class Portal:
             yield False
             return
         self._driver = me
+        entered = time.monotonic()
         try:
             yield True
         finally:
+            if entered - self._last_turn < LEASE_S:
+                # A caller in its rhythm of calls (it ran the loop within the lease before this
+                # one): the lease runs from the end of this call, not from that turn, so a call
+                # that held the loop longer than the lease (a large write's copy) does not cost
+                # the next poll a hand-over.  A caller that only writes never had a turn.
+                self._last_turn = time.monotonic()
             self._driver = None
             self._drive.release()
 
