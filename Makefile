@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo demo-cluster test lint fuzz soak bench clean
 
-$(STAMP): pyproject.toml omni_async/transport/_rowcopy.c
+$(STAMP): pyproject.toml omni_async/transport/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'

@@ -396,7 +396,7 @@ def test_puts_of_runs_name_each_runs_rows_here_and_in_the_peers_regions():
     runs = plan_runs(local, remote, 64, 64)
     assert runs == [(5, 10, 3), (40, 0, 1), (2, 33, 1), (63, 1, 1)]
     bases, keys = [1 << 40, (1 << 63) + 4096], [0xDEAD, (1 << 64) - 2]
-    puts = rma.puts_of_runs(arrays, runs, bases, keys)
+    puts = rma.puts_of_runs(arrays, runs, bases, keys).tolist()
     expected = [
         [address, length, bases[i] + run[1] * arrays[i].shape[1], keys[i]]
         for (address, length), run, i in zip(

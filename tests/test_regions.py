@@ -98,6 +98,20 @@ async def test_a_block_index_moves_the_block_in_every_region(make_set_agent, lan
 async def test_64_scattered_blocks_by_32_layers_split_within_the_receivers_bounds(make_set_agent, lane):
     """32 regions and 1,024 scattered runs: more payload messages than the receiver holds for
     one peer unless the sender splits (a run is one message per region when not gathered)."""
+    await write_1024_runs_by_32_layers(make_set_agent, lane)
+
+
+async def test_puts_posted_one_ctypes_call_each_land_as_those_posted_in_one_c_call(make_set_agent, monkeypatch):
+    """Where the C loops are built (as here), a request's puts go out in one call of them; the
+    Python loop that stands in where they are not posts each put itself, to the same rows."""
+    from omni_async.transport import rma
+
+    assert rma._rma().put_all is not None  # the other runs of this write use the C loop
+    monkeypatch.setattr(rma._rma(), "put_all", None)
+    await write_1024_runs_by_32_layers(make_set_agent, {"same_host_lane": False, "ucx_tls": "tcp"})
+
+
+async def write_1024_runs_by_32_layers(make_set_agent, lane):
     lens = [64] * 32
     a = await make_set_agent(RegionSet.allocate(2048, lens), peer_id="a", **lane)
     b = await make_set_agent(RegionSet.allocate(2048, lens), peer_id="b", **lane)

@@ -261,8 +261,8 @@ class Lane:
         self._keys.extend(keys)
         return keys
 
-    def put(self, puts: list[list[int]], keepalive: object, done: Completion) -> None:
-        """Post one put per ``[local address, length, remote address, key]`` (a key from
+    def put(self, puts: npt.NDArray[np.uint64], keepalive: object, done: Completion) -> None:
+        """Post one put per row ``[local address, length, remote address, key]`` (a key from
         :meth:`unpack_keys`; :func:`.rma.puts_of_runs`), then one flush; ``done`` runs when the
         flush completed (every put is in the peer's memory) or failed.  The local bytes are
         borrowed until then (``keepalive`` is referenced meanwhile)."""
@@ -271,7 +271,7 @@ class Lane:
             rma.put_all(self._endpoint, puts)
             return rma.flush(self._endpoint)
 
-        self._post(post, keepalive, done)
+        self._post(post, (keepalive, puts), done)
 
     def recv_arrived(self, buffer: Any, message: int, done: Completion) -> None:
         """Receive a message taken by a watch into ``buffer`` (any writable C-contiguous buffer

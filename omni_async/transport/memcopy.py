@@ -1,16 +1,16 @@
 """The same-host lane's copies: runs of rows into (and out of) a peer's region, frames into its
 shared pool.
 
-Where the C helper was built at install (``_rowcopy.c``, a plain C library loaded with ctypes,
-which releases the GIL around each call), a write's runs are one call per region, not one numpy
-assignment per run (256 scattered blocks: one Python step instead of 256), and a copy of at
+Where the C library was built at install (:mod:`.native`; ctypes releases the GIL around each
+call), a write's runs are one call per region, not one numpy assignment per run (256
+scattered blocks: one Python step instead of 256), and a copy of at
 least :data:`STREAM_MIN` bytes uses streaming (non-temporal) stores: no read of each target
 line before it is written (a third of the memory traffic of an ordinary copy), and neither
 process's working set is evicted by the bytes passing through (the Python that handles the
 acknowledgement afterwards runs with warm caches).  Smaller copies stay ordinary (a peer may
 read them soon), in pieces of :data:`COPY_PIECE` bytes.
 
-Without the helper (no C compiler at install; :func:`native` is False) the same copies go
+Without it (no C compiler at install; :func:`native` is False) the same copies go
 through numpy, run by run, in pieces of :data:`COPY_PIECE`: glibc's ``memcpy`` copies with
 ``rep movsb`` up to a size threshold and with a vector loop above it; on AMD CPUs that
 threshold is the L2 cache size (glibc 2.33 on), where one copy of 1 MiB or more moved 14-20
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
-import logging
 from collections.abc import Sequence
 from typing import Final
 
@@ -34,16 +32,13 @@ import numpy.typing as npt
 
 from ..region import Run, run_table
 from .iov import address_of
-
-log = logging.getLogger(__name__)
+from .native import library
 
 COPY_PIECE: Final = 256 * 1024
 """Most bytes one ordinary copy call moves: below every current x86 L2 size (Zen 2: 512 KiB)."""
 STREAM_MIN: Final = 1 << 20
 """A copy (one call: a write's runs in one region, or one frame) of at least this many bytes
-uses streaming stores, where the C helper is built."""
-_VERSION: Final = 1
-"""The helper's ``omni_rowcopy_version()`` this module was written for (another: not used)."""
+uses streaming stores, where the C library is built."""
 LOCAL: Final = 0
 """The column of a run's index into our own rows."""
 REMOTE: Final = 1
@@ -51,7 +46,7 @@ REMOTE: Final = 1
 
 
 class _Helper:
-    """The C helper's functions, declared with their C signatures."""
+    """The row copier's C functions, declared with their C signatures."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, u64, i32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int
@@ -66,26 +61,13 @@ class _Helper:
 
 @functools.cache
 def _helper() -> _Helper | None:
-    """The C helper, loaded on first use; None where it was not built (logged once)."""
-    spec = importlib.util.find_spec(f"{__package__}._rowcopy")
-    if spec is None or spec.origin is None:
-        log.warning("omni_async's C row copier is not built (no C compiler at install?): copying with numpy")
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as exc:
-        log.warning("omni_async's C row copier at %s cannot be loaded (%s): copying with numpy", spec.origin, exc)
-        return None
-    version = getattr(lib, "omni_rowcopy_version", None)
-    if version is None or version() != _VERSION:
-        log.warning("omni_async's C row copier at %s is from another version (reinstall): copying with numpy",
-                    spec.origin)
-        return None
-    return _Helper(lib)
+    """The row copier's functions, or None where the C library is not built."""
+    lib = library()
+    return None if lib is None else _Helper(lib)
 
 
 def native() -> bool:
-    """Whether copies go through the C helper (built at install)."""
+    """Whether copies go through the C library (built at install, :mod:`.native`)."""
     return _helper() is not None
 
 

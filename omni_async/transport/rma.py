@@ -4,9 +4,10 @@ Each side registers the regions of its set with its UCX context (``ucp_mem_map``
 :class:`Registration`) and sends the packed remote keys (``ucp_rkey_pack``) to every such peer
 in a :class:`~omni_async.wire.RkeyOffer`.  The sender unpacks them on its endpoint to that peer
 (``ucp_ep_rkey_unpack``: it parses peer bytes, so a vetting child does it first, see
-:mod:`.vetting`), then writes a request's rows with one ``ucp_put_nbi`` per run and region and
-one ``ucp_ep_flush_nbx``; once the flush completed the rows are in the peer's memory and a
-``placed`` header tells it (:mod:`.block_writes`).
+:mod:`.vetting`), then writes a request's rows with one ``ucp_put_nbi`` per run and region
+(posted in one call of :mod:`.native` where it is built) and one ``ucp_ep_flush_nbx``; once the
+flush completed the rows are in the peer's memory and a ``placed`` header tells it
+(:mod:`.block_writes`).
 
 Ownership: a :class:`Registration` belongs to its transport and is released with
 :meth:`Registration.close` once no lane of it can be written any more; an unpacked key belongs
@@ -26,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..region import Run, run_table
+from . import native
 from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, library
 
 _UCP_MEM_MAP_PARAM_FIELD_ADDRESS: Final = 1 << 0
@@ -59,6 +61,11 @@ class _Rma:
         self.rkey_unpack = _declared(lib.ucp_ep_rkey_unpack, status, ptr, ctypes.c_char_p, ctypes.POINTER(ptr))
         self.rkey_destroy = _declared(lib.ucp_rkey_destroy, None, ptr)
         self.put_nbi = _declared(lib.ucp_put_nbi, status, ptr, ptr, size, u64, ptr)
+        self.put_nbi_address = ctypes.cast(self.put_nbi, ptr).value
+        loops = native.library()
+        self.put_all = None if loops is None else _declared(
+            loops.omni_put_all, ctypes.c_int, ptr, ptr, ptr, size
+        )
         self.flush = _declared(lib.ucp_ep_flush_nbx, ptr, ptr, param)
 
 
@@ -139,12 +146,12 @@ def destroy_key(key: int) -> None:
 
 def puts_of_runs(
     arrays: Sequence[npt.NDArray[np.uint8]], runs: Sequence[Run], bases: Sequence[int], keys: Sequence[int]
-) -> list[list[int]]:
+) -> npt.NDArray[np.uint64]:
     """``[local address, length, remote address, key]`` of each run's rows in every region (run
-    by run, region by region): ``arrays`` are ours (2-D, C-contiguous), ``bases`` the peer's
-    region addresses and ``keys`` their unpacked keys, in the same order.  Computed from
-    addresses and row lengths, with no view per row (256 one-block runs: one array pass, not
-    256 views and 256 address look-ups)."""
+    by run, region by region; a ``(puts, 4)`` array): ``arrays`` are ours (2-D, C-contiguous),
+    ``bases`` the peer's region addresses and ``keys`` their unpacked keys, in the same order.
+    Computed from addresses and row lengths, with no view per row (256 one-block runs: one
+    array pass, not 256 views and 256 address look-ups)."""
     table = run_table(runs)
     puts = np.empty((len(runs), len(arrays), 4), np.uint64)
     for i, (array, base, key) in enumerate(zip(arrays, bases, keys, strict=True)):
@@ -153,19 +160,26 @@ def puts_of_runs(
         puts[:, i, 1] = table[:, 2] * row
         puts[:, i, 2] = np.uint64(base) + table[:, 1] * row
         puts[:, i, 3] = key
-    return puts.reshape(-1, 4).tolist()
+    return puts.reshape(-1, 4)
 
 
-def put_all(endpoint: int, puts: Sequence[Sequence[int]]) -> None:
-    """Post a put per ``[local address, length, remote address, key]`` (``ucp_put_nbi``: no
-    request to track; a later :func:`flush` covers them).  The local bytes must stay unchanged
-    until that flush completes.  Raises :class:`OSError` with UCX's reason at the first put
-    UCX refuses (the ones before it stay posted)."""
-    put = _rma().put_nbi
-    for local, length, remote, key in puts:
-        status = put(endpoint, local, length, remote, key)
-        if status < 0:
-            raise error(status)
+def put_all(endpoint: int, puts: npt.NDArray[np.uint64]) -> None:
+    """Post a put per row of ``puts`` (:func:`puts_of_runs`; ``ucp_put_nbi``: no request to
+    track, a later :func:`flush` covers them), in one call of the C library where it is built
+    (:mod:`.native`), else one ctypes call each.  The local bytes must stay unchanged until that
+    flush completes.  Raises :class:`OSError` with UCX's reason at the first put UCX refuses
+    (the ones before it stay posted)."""
+    rma = _rma()
+    if rma.put_all is not None:
+        status = rma.put_all(rma.put_nbi_address, endpoint, puts.ctypes.data, len(puts))
+    else:
+        put, status = rma.put_nbi, 0
+        for local, length, remote, key in puts.tolist():
+            status = put(endpoint, local, length, remote, key)
+            if status < 0:
+                break
+    if status < 0:
+        raise error(status)
 
 
 def flush(endpoint: int) -> int:

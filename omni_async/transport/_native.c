@@ -1,14 +1,19 @@
-/* Row copies for omni_async's same-host lane, called through ctypes (omni_async.transport.memcopy).
+/* omni_async's loops in C, called through ctypes (omni_async.transport.native loads this library).
  *
  * A plain C library, not a Python module: no Python API, no GIL taken (ctypes releases it
- * around each call).  The caller checks every index against both arrays before calling.
+ * around each call).  Each loop does in one call what Python did one step at a time.
  *
- * Why C: a write of 256 scattered 64 KiB blocks was 256 numpy assignments (one Python step
- * each); here it is one call.  Why streaming stores: an ordinary store first reads the
+ * Row copies (omni_async.transport.memcopy): a write of 256 scattered 64 KiB blocks was 256
+ * numpy assignments; here it is one call, every run checked against both arrays before any
+ * byte moves.  Streaming stores for large copies: an ordinary store first reads the
  * destination's cache line (a read for ownership), and a large copy evicts both processes'
  * working sets from the caches; a non-temporal store writes the line without reading it and
  * leaves the caches alone.  Streaming is the caller's choice (large copies only: a small one
  * the peer may read soon is better left in the cache).
+ *
+ * Puts (omni_async.transport.rma): a write's one-sided puts, one ucp_put_nbi per run and
+ * region, were one ctypes call each; here one call posts them all, through the function
+ * pointer the caller passes (the libucp that ucxx loaded: this library links nothing).
  */
 
 #include <stddef.h>
@@ -24,8 +29,8 @@
 
 #define PIECE ((size_t)256 * 1024) /* an ordinary copy goes in pieces of this size: see memcopy.COPY_PIECE */
 
-/* The version of these functions' signatures: memcopy.py refuses a library built from another. */
-int omni_rowcopy_version(void) { return 1; }
+/* The version of these functions' signatures: native.py refuses a library built from another. */
+int omni_native_version(void) { return 2; }
 
 /* 1 if this build has streaming stores (x86-64: SSE2, part of the base instruction set). */
 int omni_can_stream(void) { return OMNI_STREAM; }
@@ -103,4 +108,21 @@ void omni_copy(char *dst, const char *src, uint64_t n, uint64_t stream_min) {
     int stream = stream_min > 0 && n >= stream_min;
     copy_bytes(dst, src, n, stream);
     fence(stream);
+}
+
+/* ucp_put_nbi: ucs_status_t is a packed enum (one signed byte). */
+typedef int8_t (*put_nbi_fn)(void *ep, const void *buffer, size_t length, uint64_t remote_addr, void *rkey);
+
+/* Post a put per row of `puts` (n rows of four uint64: local address, length, remote address,
+ * remote key) on endpoint `ep` through `put` (ucp_put_nbi).  Returns 0, or the first negative
+ * status UCX returned (the puts before it stay posted). */
+int omni_put_all(put_nbi_fn put, void *ep, const uint64_t *puts, size_t n) {
+    for (size_t k = 0; k < n; k++) {
+        const uint64_t *p = puts + 4 * k;
+        int8_t status = put(ep, (const void *)(uintptr_t)p[0], (size_t)p[1], p[2], (void *)(uintptr_t)p[3]);
+        if (status < 0) {
+            return status;
+        }
+    }
+    return 0;
 }
