@@ -12,6 +12,8 @@ import sys
 from importlib import metadata
 from typing import Any
 
+from omni_async.transport import native
+
 from .procs import ROOT
 
 
@@ -44,12 +46,26 @@ def tree_state() -> dict[str, Any]:
     }
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; None where there is none): machines of one kind
+    differ (an AMD and an Intel VM both passed for this project's 2-core machine)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def stamp() -> dict[str, Any]:
     """Date (UTC), command line, host and the above, for the top of a report."""
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m bench", *sys.argv[1:]]),
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
+        "host": {"cpus": os.cpu_count(), "cpu": cpu_model(), "platform": platform.platform(),
+                 "loadavg": os.getloadavg(), "c_loops": native.built()},
         "versions": versions(),
         "omni_async_tree": tree_state(),
     }
@@ -63,7 +79,9 @@ def provenance_text(report: dict[str, Any]) -> str:
     host = report.get("host", {})
     if "load" in host:
         load = host["load"]
-        line += (f"\nhost: {host['cpus']} CPUs; over the {load['wall_s']} s run the bench used "
+        c_loops = {True: "built", False: "NOT built (Python fallbacks)"}.get(host.get("c_loops"), "unknown")
+        line += (f"\nhost: {host['cpus']} CPUs ({host.get('cpu') or 'model unknown'}), omni_async's C loops "
+                 f"{c_loops}; over the {load['wall_s']} s run the bench used "
                  f"{load['bench_cores']} cores, other processes {load['foreign_cores']} cores, steal "
                  f"{load['steal_cores']} (numbers are trustworthy only when those are near 0)")
     return line

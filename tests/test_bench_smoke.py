@@ -56,6 +56,8 @@ def test_blocks_quick_reports_ratios(tmp_path: Path) -> None:
     plot = tmp_path / "blocks.svg"
     report = bench("blocks", "--quick", "--iters", "2", *plot_args(plot), timeout=100)
     ratios = report["ratios"]
+    assert report["host"]["c_loops"] is True  # the run says which copy path it measured
+    assert "cpu" in report["host"]
     assert set(ratios) >= RATIO_KEYS | COMPAT_KEYS
     for name in report["results"]:
         ratio = ratios[name]
