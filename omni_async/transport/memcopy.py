@@ -10,7 +10,7 @@ process's working set is evicted by the bytes passing through (the Python that h
 acknowledgement afterwards runs with warm caches).  Smaller copies stay ordinary (a peer may
 read them soon), in pieces of :data:`COPY_PIECE` bytes.
 
-Without it (no C compiler at install; :func:`native` is False) the same copies go
+Without it (no C compiler at install; :func:`.native.built` is False) the same copies go
 through numpy, run by run, in pieces of :data:`COPY_PIECE`: glibc's ``memcpy`` copies with
 ``rep movsb`` up to a size threshold and with a vector loop above it; on AMD CPUs that
 threshold is the L2 cache size (glibc 2.33 on), where one copy of 1 MiB or more moved 14-20
@@ -64,11 +64,6 @@ def _helper() -> _Helper | None:
     """The row copier's functions, or None where the C library is not built."""
     lib = library()
     return None if lib is None else _Helper(lib)
-
-
-def native() -> bool:
-    """Whether copies go through the C library (built at install, :mod:`.native`)."""
-    return _helper() is not None
 
 
 def copy_runs(

@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from ..region import Run, run_table
 from . import native
-from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, library
+from .iov import _CONTIG_REF, UCS_OK, _checked, _declared, _RequestParam, error, fill_local_rows, library
 
 _UCP_MEM_MAP_PARAM_FIELD_ADDRESS: Final = 1 << 0
 _UCP_MEM_MAP_PARAM_FIELD_LENGTH: Final = 1 << 1
@@ -154,11 +154,9 @@ def puts_of_runs(
     array pass, not 256 views and 256 address look-ups)."""
     table = run_table(runs)
     puts = np.empty((len(runs), len(arrays), 4), np.uint64)
+    fill_local_rows(puts, arrays, table)  # the local rows, as a gathered message names them
     for i, (array, base, key) in enumerate(zip(arrays, bases, keys, strict=True)):
-        row = np.uint64(array.shape[1])
-        puts[:, i, 0] = np.uint64(array.__array_interface__["data"][0]) + table[:, 0] * row
-        puts[:, i, 1] = table[:, 2] * row
-        puts[:, i, 2] = np.uint64(base) + table[:, 1] * row
+        puts[:, i, 2] = np.uint64(base) + table[:, 1] * np.uint64(array.shape[1])
         puts[:, i, 3] = key
     return puts.reshape(-1, 4)
 
