@@ -41,12 +41,12 @@ from omni_async.service import ConnectorService
 from omni_async.transport.notices import Notice
 
 from .chunk_data import chunk_nbytes, make_chunk
-from .hostload import ForeignLoad
+from .hostload import CpuMeter, ForeignLoad
 from .modes import SHM, TCP, Mode
 from .procs import Children
 from .progress import Progress, advance, steps
 from .provenance import provenance_text, stamp
-from .report import speed_ratio, verdict_lines, verdicts
+from .report import CPU_TABLE_HEAD, speed_ratio, verdict_lines, verdicts
 from .stats import summarize
 from .zmq_baseline import ZmqBaseline
 
@@ -118,9 +118,11 @@ def _service_config(mode: Mode, peer_id: str) -> ServiceConfig:
 class _Sender:
     """The sending service, connected to one receiver child, running numbered plans."""
 
-    def __init__(self, svc: ConnectorService, receiver: str) -> None:
+    def __init__(self, svc: ConnectorService, receiver: str, receiver_pid: int) -> None:
         self.svc = svc
         self.receiver = receiver
+        self.meter = CpuMeter(receiver_pid)
+        """CPU of both sides during the timed batches of throughput rows."""
         self.adapter = svc.adapter(STAGE, peer_id=receiver)
         self.plans = 0
         self.echoes: asyncio.Queue[Notice] = asyncio.Queue()
@@ -157,12 +159,13 @@ class _Sender:
         else:
             for batch in range(w.iters):
                 first = batch * w.requests
-                t0 = clock()
-                await asyncio.gather(*(
-                    self.adapter.save_async(f"r{n}-{r}", chunks[r, i], final=i == w.chunks - 1)
-                    for r in range(first, first + w.requests) for i in range(w.chunks)
-                ))
-                samples.append(clock() - t0)
+                with self.meter.measure():
+                    t0 = clock()
+                    await asyncio.gather(*(
+                        self.adapter.save_async(f"r{n}-{r}", chunks[r, i], final=i == w.chunks - 1)
+                        for r in range(first, first + w.requests) for i in range(w.chunks)
+                    ))
+                    samples.append(clock() - t0)
         done = await self.svc.connector.get(f"bench:done:{n}", timeout=60, source=self.receiver)
         if done["bad"] or done["chunks"] != requests * w.chunks:
             raise ChunkVerificationError(f"{w.name}: receiver got {done['chunks']} chunks, {done['bad']} bad")
@@ -217,14 +220,17 @@ def _rounds(w: ChunkWorkload) -> list[ChunkWorkload]:
 
 
 async def _interleaved(
-    ours: Callable[[ChunkWorkload], Awaitable[list[int]]], baseline: ZmqBaseline | None, w: ChunkWorkload
+    ours: Callable[[ChunkWorkload], Awaitable[list[int]]], baseline: ZmqBaseline | None, w: ChunkWorkload,
+    meters: tuple[CpuMeter, ...] = (),
 ) -> tuple[list[int], list[int] | None]:
     """Samples of ``ours`` and of the baseline on ``w``, each after a warm-up of a tenth of its
-    iterations, in alternating rounds (see :data:`ROUNDS`)."""
+    iterations, in alternating rounds (see :data:`ROUNDS`); ``meters`` are reset after the warm-up."""
     warm = dataclasses.replace(w, iters=max(1, w.iters // 10))
     await ours(warm)
     if baseline is not None:
         await _time_zmq(baseline, warm)
+    for meter in meters:
+        meter.reset()
     samples: list[int] = []
     zmq_samples: list[int] = []
     for part in _rounds(w):
@@ -232,6 +238,20 @@ async def _interleaved(
         if baseline is not None:
             zmq_samples += await _time_zmq(baseline, part)
     return samples, zmq_samples if baseline is not None else None
+
+
+def _cpu_per_chunk(
+    w: ChunkWorkload, samples: list[int], zmq_samples: list[int] | None, meters: tuple[CpuMeter, ...]
+) -> dict[str, dict[str, float]] | None:
+    """A throughput row's CPU per chunk on each side during the timed batches (``sender_us``:
+    this process, ``receiver_us``: the child), ours and the baseline's; None for latency rows."""
+    if w.kind != "throughput":
+        return None
+    per_batch = w.requests * w.chunks
+    cpu = {"omni_async": meters[0].per(len(samples) * per_batch)}
+    if zmq_samples:
+        cpu["zmq"] = meters[1].per(len(zmq_samples) * per_batch)
+    return cpu
 
 
 def _chunks_per_s(w: ChunkWorkload, samples: list[int]) -> float:
@@ -278,9 +298,10 @@ async def _run_mode(
         config = _service_config(mode, f"chunk-recv-{mode.name}")
         child = await children.start("bench.chunk_peer", [json.dumps(msgspec.to_builtins(config)), STAGE])
         async with ConnectorService(_service_config(mode, f"chunk-send-{mode.name}")) as svc:
-            sender = _Sender(svc, await svc.agent.connect(child.ready["address"]))
+            sender = _Sender(svc, await svc.agent.connect(child.ready["address"]), child.pid)
             for w in chunk_workloads(quick):
-                samples, zmq_samples = await _interleaved(sender.run, baseline, w)
+                meters = (sender.meter,) if baseline is None else (sender.meter, baseline.meter)
+                samples, zmq_samples = await _interleaved(sender.run, baseline, w, meters)
                 memcpy = _time_memcpy(w, max(len(samples), 50))
                 results[w.name + mode.suffix] = {
                     "workload": w.describe(), "mode": mode.name, "kind": w.kind, "bytes": w.nbytes,
@@ -288,6 +309,7 @@ async def _run_mode(
                     "zmq": summarize(w.nbytes, zmq_samples) if zmq_samples else None, "nixl": None,
                     "chunks_per_s": _chunks_per_s(w, samples),
                     "zmq_chunks_per_s": _chunks_per_s(w, zmq_samples) if zmq_samples else None,
+                    "cpu_us_per_chunk": _cpu_per_chunk(w, samples, zmq_samples, meters),
                 }
                 advance(bar, f"{w.name} {mode.name}")
             w = notice_workload(quick)
@@ -299,6 +321,7 @@ async def _run_mode(
                 "zmq": summarize(BLOCK_LEN, zmq_samples) if zmq_samples else None, "nixl": None,
                 "chunks_per_s": _chunks_per_s(w, samples),
                 "zmq_chunks_per_s": _chunks_per_s(w, zmq_samples) if zmq_samples else None,
+                "cpu_us_per_chunk": None,
             }
             advance(bar, f"{w.name} {mode.name}")
 
@@ -321,6 +344,14 @@ def table(report: dict[str, Any]) -> str:
                  "n/a" if zmq_rate is None else f"{zmq_rate:.0f}", f"{ratio['vs_memcpy']:.3f}×",
                  "n/a" if vs_zmq is None else f"{vs_zmq:.2f}×"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "CPU per chunk during the timed batches (µs; sender: this process, receiver: the child):", "",
+              *CPU_TABLE_HEAD]
+    for row, r in report["results"].items():
+        cpu = r["cpu_us_per_chunk"]
+        if cpu is not None:
+            cells = [f"{cpu[who][side]:.0f}" if who in cpu else "n/a"
+                     for who in ("omni_async", "zmq") for side in ("sender_us", "receiver_us")]
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"pyzmq: {report['zmq']['what']}" if report["zmq"]["available"] else "pyzmq baseline: not run")
     lines.append("vs pyzmq: chunks/s over the baseline's (latency rows: its p50 over ours); > 1: omni_async faster")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .provenance import provenance_text
+from .report import CPU_TABLE_HEAD
 
 REPORTS = ("blocks", "chunks", "layers", "idle")
 """The JSON reports ``make bench`` writes, by file stem."""
@@ -136,6 +137,23 @@ def chunks_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(runs: list[Run]) -> str:
+    """Throughput chunk rows: CPU per chunk of each side during the timed batches, ours and
+    the baseline's (µs, ``A / B``); rows of reports without it are left out."""
+    lines = list(CPU_TABLE_HEAD)
+    for row in _rows(runs, "chunks"):
+        found = _per_run(runs, "chunks", row)
+        cpus = [None if entry is None else entry[0].get("cpu_us_per_chunk") for entry in found]
+        if all(cpu is None for cpu in cpus):
+            continue
+        cells = [
+            _join(["n/a" if cpu is None or who not in cpu else f"{cpu[who][side]:.0f}" for cpu in cpus])
+            for who in ("omni_async", "zmq") for side in ("sender_us", "receiver_us")
+        ]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _rate(found: list[tuple[dict[str, Any], dict[str, Any]] | None], key: str) -> str:
     return _join(["n/a" if entry is None or entry[0][key] is None else f"{entry[0][key]:,.0f}" for entry in found])
 
@@ -192,7 +210,8 @@ def compare(folders: list[Path]) -> str:
     runs = [load_run(folder) for folder in folders]
     parts = [
         ("Block rows", blocks_table(runs)), ("The sync facade", compat_table(runs)),
-        ("Chunk rows", chunks_table(runs)), ("KV-shaped rows", layers_table(runs)),
+        ("Chunk rows", chunks_table(runs)), ("CPU per chunk (µs)", cpu_table(runs)),
+        ("KV-shaped rows", layers_table(runs)),
         ("Targets", targets_table(runs)),
     ]
     out = [f"### {title}\n\n{table}\n" for title, table in parts]

@@ -7,7 +7,7 @@ the other's p50 over omni_async's p50 (1/latency).  Above 1 means omni_async is 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 from .provenance import provenance_text
 from .stats import speed
@@ -121,3 +121,10 @@ def table(report: dict[str, Any]) -> str:
     lines.append("")
     lines += verdict_lines(report["targets"])
     return "\n".join(lines)
+
+
+CPU_TABLE_HEAD: Final = (
+    "| row | omni_async sender | omni_async receiver | pyzmq sender | pyzmq receiver |",
+    "|---|---|---|---|---|",
+)
+"""The head of the table of CPU per chunk (``bench chunks`` and ``bench compare``)."""

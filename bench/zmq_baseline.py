@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from .chunk_data import make_chunk
+from .hostload import CpuMeter
 from .procs import Child, Children
 
 
@@ -79,9 +80,12 @@ class ZmqBaseline:
         self._stats: asyncio.Future[Stats] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._runs = 0
+        self.meter: CpuMeter
+        """CPU of both sides during the timed batches of throughput runs (made by :meth:`start`)."""
 
     async def start(self, children: Children) -> ZmqBaseline:
         child: Child = await children.start("bench.zmq_peer", [])
+        self.meter = CpuMeter(child.pid)
         self._sock.connect(child.ready["address"])
         self._reader = asyncio.create_task(self._read(), name="zmq-baseline-acks")
         return self
@@ -134,9 +138,11 @@ class ZmqBaseline:
             else:
                 for batch in range(iters):
                     first = batch * requests
-                    t0 = clock()
-                    await asyncio.gather(*(self._stream(f"z{n}-{r}", data[r]) for r in range(first, first + requests)))
-                    samples.append(clock() - t0)
+                    streams = range(first, first + requests)
+                    with self.meter.measure():
+                        t0 = clock()
+                        await asyncio.gather(*(self._stream(f"z{n}-{r}", data[r]) for r in streams))
+                        samples.append(clock() - t0)
             self._stats = asyncio.get_running_loop().create_future()
             await self._sock.send(ENCODER.encode(StatsAsk()))
             stats = await self._stats

@@ -105,6 +105,14 @@ def test_chunks_quick_reports_ratios(tmp_path: Path) -> None:
         row = report["results"][name]
         assert row["zmq"]["n"] == row["omni_async"]["n"], name
         assert row["zmq_chunks_per_s"] > 0, name
+        # the CPU of both processes of both contenders over the timed batches of throughput rows
+        cpu = row["cpu_us_per_chunk"]
+        if row["kind"] == "throughput":
+            assert {who: set(sides) for who, sides in cpu.items()} == {
+                "omni_async": {"sender_us", "receiver_us"}, "zmq": {"sender_us", "receiver_us"}}, name
+            assert all(value > 0 for sides in cpu.values() for value in sides.values()), (name, cpu)
+        else:
+            assert cpu is None, name
     assert report["zmq"]["available"]
     assert {t["row"] for t in report["targets"].values()} == CHUNK_ZMQ_KEYS
     check_plot(plot, report, ["omni_async", "pyzmq + msgspec", "memcpy"])
@@ -212,3 +220,35 @@ def test_compare_lists_every_run_and_meets_a_target_only_if_every_run_met(tmp_pa
     assert "| b | 256×64 KiB scattered | 12.00 / 12.00 GB/s | 11.00 / 9.00 GB/s | n/a / n/a GB/s | n/a / n/a | 0.92× / 0.75× |" in out
     assert "| b ≥ 0.85× rows copy | 0.92× / 0.75× | missed |" in out
     assert "| idle pair < 1 % of a core | 0.300 % / 0.300 % | **met** |" in out
+
+
+def test_compare_shows_each_runs_cpu_per_chunk_of_both_sides(tmp_path: Path) -> None:
+    """The chunk reports' CPU per chunk (sender and receiver, ours and the baseline's) appears
+    side by side for throughput rows; latency rows, which have none, are left out."""
+    def chunks(cpu: dict[str, dict[str, float]]) -> dict[str, Any]:
+        rate = {"p50_us": 1.0, "p99_us": 2.0, "gbps": 1.0, "n": 5}
+        return {
+            "date": "2026-12-03", "command": "python -m bench chunks", "targets": {},
+            "results": {
+                "chunk_a": {"workload": "1 chunk", "kind": "latency", "omni_async": rate, "zmq": rate,
+                            "chunks_per_s": 1.0, "zmq_chunks_per_s": 1.0, "cpu_us_per_chunk": None},
+                "chunk_8k": {"workload": "64 requests", "kind": "throughput", "omni_async": rate, "zmq": rate,
+                             "chunks_per_s": 3.0, "zmq_chunks_per_s": 1.0, "cpu_us_per_chunk": cpu},
+            },
+            "ratios": {"chunk_a": {"vs_zmq": 1.0}, "chunk_8k": {"vs_zmq": 3.0}},
+        }
+
+    folders = []
+    for name, mine, theirs in (("A", (60.4, 50.0), (120.0, 110.0)), ("B", (70.0, 55.0), (130.0, 115.0))):
+        folder = tmp_path / name
+        folder.mkdir()
+        cpu = {"omni_async": {"sender_us": mine[0], "receiver_us": mine[1]},
+               "zmq": {"sender_us": theirs[0], "receiver_us": theirs[1]}}
+        (folder / "chunks.json").write_text(json.dumps(chunks(cpu)))
+        folders.append(str(folder))
+    proc = subprocess.run([sys.executable, "-m", "bench", "compare", *folders], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    table = proc.stdout.split("### CPU per chunk (µs)", 1)[1].split("###", 1)[0]
+    assert "| chunk_8k | 60 / 70 | 50 / 55 | 120 / 130 | 110 / 115 |" in table
+    assert "chunk_a" not in table
