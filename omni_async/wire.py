@@ -261,6 +261,11 @@ class Goodbye(_Msg, tag="g", frozen=True):
     peer leaves in order, and close the lane once they have the other's and nothing is pending."""
 
 
+MAX_POOL_BYTES: Final = (1 << 30) + 64
+"""Largest shared pool a :class:`RingOffer` may offer: a 1 GiB arena (``shared_pool_mib``'s
+largest) and its 64-byte control line."""
+
+
 class RingOffer(_Msg, tag="ring", frozen=True):
     """A peer on this host offers a ring for the headers this side sends it (see
     :mod:`omni_async.transport.samehost`): the sealed memfd ``fd`` of process ``pid`` named by
@@ -272,7 +277,7 @@ class RingOffer(_Msg, tag="ring", frozen=True):
     token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
     wake_fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
     capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
-    pool: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+    pool: Annotated[int, msgspec.Meta(ge=0, le=MAX_POOL_BYTES)] = 0
     """Bytes of a shared receive pool after the ring in the same memfd (its control line and
     arena, :class:`~omni_async.transport.pool.SharedPool`); 0: none."""
 

@@ -702,6 +702,75 @@ async def test_an_offer_of_a_pool_that_is_not_one_is_refused_before_any_mapping(
         receiver.close()
 
 
+@pytest.mark.parametrize("head", [8 * 31 + 4, (1 << 64) - 8, 1 << 62])
+def test_a_producer_refuses_a_ring_whose_head_no_new_ring_has(head):
+    """The consumer makes the ring (head 0); a head that is no record boundary, or so high
+    the u64 counters would wrap, is refused with RingError, not met later as a struct or
+    memoryview error inside a send.  Its views are let go (the buffer can be resized)."""
+    buffer = bytearray(ring_size(256))
+    struct.pack_into("<QQ", buffer, 0, head, 0)
+    struct.pack_into("<Q", buffer, 64, head)  # tail == head: "empty"
+    with pytest.raises(RingError, match="head"):
+        Producer(memoryview(buffer))
+    buffer.extend(b"x")  # BufferError if a view of it were still held
+
+
+async def test_an_offer_of_a_ring_with_a_forged_head_is_refused_and_leaves_nothing_open():
+    """A ring offer whose memfd holds a head no new ring has is refused (headers then go over
+    UCX): neither the mapping nor the peer's pipe stays open here."""
+    import msgspec
+
+    from omni_async.memfd import SharedSegment
+    from omni_async.transport.shared import Refused
+
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None,
+                                     lambda exc: None, lambda: False, capacity=1 << 16)
+    forged = SharedSegment(ring_size(1 << 16))
+    forged.array[:8] = np.frombuffer(struct.pack("<Q", 252), np.uint8)  # head: not a record boundary
+    try:
+        offer = msgspec.structs.replace(receiver.offer(), fd=forged.fd, token=forged.token)
+        before, fds = mapped(forged.token), fd_targets()
+        with pytest.raises(Refused, match="head"):
+            samehost.RingSender(offer)
+        assert mapped(forged.token) == before
+        assert fd_targets() == fds  # the pipe opened through /proc was closed again
+    finally:
+        forged.close()
+        receiver.close()
+
+
+async def test_a_bug_in_batch_done_does_not_stop_the_ring():
+    """A ``batch_done`` that raises (an owner's bug) is logged; the turn still ends as turns
+    do, so the next record wakes the receiver and is delivered."""
+    got: list[bytes] = []
+    calls: list[int] = []
+
+    def batch_done() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
+                                     lambda exc: None, lambda: False, capacity=1 << 16, batch_done=batch_done)
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        assert sender.send(samehost.KIND_HEADER, [b"one"])
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if calls:
+                break
+        assert got == [b"one"] and calls == [1]
+        assert sender.send(samehost.KIND_HEADER, [b"two"])
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if len(got) == 2:
+                break
+        assert got == [b"one", b"two"] and len(calls) == 2
+    finally:
+        sender.close()
+        receiver.close()
+
+
 async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_then_sleeps():
     """While told to stay awake (an intent's commit is due) the receiver polls its ring turn
     after turn: a record from another thread is taken with no pipe wake-up.  Told it is over,

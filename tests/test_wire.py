@@ -218,3 +218,21 @@ def test_worst_case_headers_fit():
     assert isinstance(decode_framed(encode_header(write))[0], WriteRequest)
     message = MessageHeader(I64, I64, "\U0010ffff" * MAX_KEY, b"m" * MAX_META_BYTES, [I64] * MAX_FRAMES)
     assert isinstance(decode_framed(encode_header(message))[0], MessageHeader)
+
+
+def test_the_largest_shared_pool_the_config_allows_is_a_valid_offer():
+    """``shared_pool_mib``'s largest value makes an offer the peer's decoder accepts (it was
+    refused: the peer dropped the link right after joining)."""
+    import secrets
+
+    from omni_async.config import AgentConfig
+    from omni_async.transport.pool import shared_pool_bytes
+    from omni_async.wire import RingOffer, decode_framed
+
+    mib = 1024  # shared_pool_mib's largest: the config refuses more
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"shared_pool_mib": mib + 1}, AgentConfig)
+    assert msgspec.convert({"shared_pool_mib": mib}, AgentConfig).shared_pool_mib == mib
+    offer = RingOffer(pid=1234, fd=5, token=secrets.token_hex(16), wake_fd=6, capacity=8 << 20,
+                      pool=shared_pool_bytes(mib))
+    assert decode_framed(encode_header(offer))[0] == offer

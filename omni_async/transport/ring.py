@@ -71,6 +71,11 @@ def max_payload(capacity: int) -> int:
     return capacity // 2 - _FRAME.size
 
 
+MAX_HEAD: Final = 1 << 62
+"""The highest head a producer starts from (a ring is made with 0): its counters stay far from
+the u64 they are stored in (a ring moving 10 GB/s reaches it in 14 years)."""
+
+
 class RingError(ProtocolError):
     """The other side wrote something into the ring that breaks its framing or counters."""
 
@@ -107,7 +112,11 @@ class Producer(_Ring):
 
     def __init__(self, buffer: memoryview) -> None:
         super().__init__(buffer)
-        self._head = int(self._ctl[_HEAD])
+        head = int(self._ctl[_HEAD])
+        if head & 7 or head >= MAX_HEAD:  # (records start 8-byte aligned; the consumer wrote this head)
+            self.release()
+            raise RingError(f"the ring's head is {head} (a record boundary below {MAX_HEAD} expected)")
+        self._head = head
         self._woken = -1
 
     @property

@@ -45,7 +45,7 @@ from ..errors import ProtocolError
 from ..memfd import SharedSegment
 from ..wire import RingOffer
 from .pool import PoolWriter, SharedPool, is_pool_size
-from .ring import Consumer, Part, Producer, max_payload, ring_size
+from .ring import Consumer, Part, Producer, RingError, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
 from .turns import NextTurn, SpinGate, spin
 
@@ -251,28 +251,35 @@ class RingReceiver:
         consumer = self._consumer
         take, commit, deliver = consumer.take, consumer.commit, self._deliver
         delivered = 0
+        broken: ProtocolError | None = None
         self._delivering = True
         try:
             while delivered < _BATCH:
                 record = take()
                 if record is None:
                     break
-                delivered += 1
                 try:
                     deliver(*record)
-                except ProtocolError:
-                    if delivered > 1 and self._batch_done is not None and not self._closed:
-                        self._batch_done()  # what the records before it produced still goes out
-                    raise
+                except ProtocolError as exc:
+                    broken = exc  # what the records before it produced still goes out (below)
+                    break
                 except Exception:  # a handler bug fails that record, not the ring
                     log.exception("handling a ring record failed")
+                delivered += 1
                 if self._closed:
                     return delivered
                 commit()  # its bytes are free now: before any answer that lets the peer refill
-            if delivered and self._batch_done is not None:
-                self._batch_done()
+            if delivered and self._batch_done is not None and not self._closed:
+                try:
+                    self._batch_done()
+                except ProtocolError:
+                    raise
+                except Exception:  # a turn cut short would leave the ring awake, never woken again
+                    log.exception("a ring's batch_done callback failed")
         finally:
             self._delivering = False
+        if broken is not None:
+            raise broken
         return delivered
 
     def _expects(self) -> bool:
@@ -301,7 +308,9 @@ class RingReceiver:
 class RingSender:
     """Writes records into a peer's :class:`RingReceiver` (mapped from its offer).
 
-    Raises :class:`~.shared.Refused` (or :class:`OSError`) if the offer cannot be mapped.
+    Raises :class:`~.shared.Refused` (or :class:`OSError`) if the offer cannot be mapped, or
+    its ring is not as a new one is (a head that is no record boundary, or past
+    :data:`~.ring.MAX_HEAD`).
     """
 
     def __init__(self, offer: RingOffer) -> None:
@@ -322,8 +331,14 @@ class RingSender:
         self.in_this_process = offer.pid == os.getpid()
         """The peer that reads this ring runs in this process (it cannot answer while we spin)."""
         shared = memoryview(mapping)
-        self.producer = Producer(shared[: ring_size(capacity)])
-        """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
+        try:
+            self.producer = Producer(shared[: ring_size(capacity)])
+            """The mapped ring's writer (without the wake-up: :meth:`send` is put + wake)."""
+        except RingError as exc:  # a head its maker could not have left in a new ring
+            shared.release()
+            os.close(self._wake)
+            mapping.close()
+            raise Refused(f"the offered ring: {exc}") from None
         self.pool = PoolWriter(shared[ring_size(capacity) :]) if pool else None
         """The writer of the peer's shared pool (:data:`KIND_POOLED` records), or None."""
         shared.release()
