@@ -891,6 +891,119 @@ def test_closing_while_another_thread_polls_ends_both(make_transport):
     assert len(outcome) == 1 and isinstance(outcome[0], ClosedError)
 
 
+def test_a_burst_of_writes_without_polls_does_not_stop_the_loop(make_transport, monkeypatch):
+    """A caller that polled once, then only writes (one write every ~0.5 ms, never a poll):
+    each write holds the loop for a moment but never runs it, so the callers' lease must not
+    be renewed write after write; the loop's thread runs the loop again within about a
+    lease (it did not for as long as the burst lasted: heartbeats stopped, the peer dropped us)."""
+    monkeypatch.setattr(portal_module, "LEASE_S", 0.25)  # so the first write surely follows a turn
+    a = make_transport(block_memory(seed=35), "burst-a")
+    b = make_transport(block_memory(), "burst-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done  # a poll: the caller turned the loop
+    ran = threading.Event()
+    a.loop.call_soon_threadsafe(ran.set)
+    start, ids = time.monotonic(), set()
+    while not ran.is_set() and time.monotonic() - start < 3.0:
+        ids.add(a.write_blocks("B", [1], [1]))
+        busy(0.0005)
+    assert ran.is_set(), f"the loop did not run for 3 s while the caller wrote ({len(ids)} writes)"
+    assert time.monotonic() - start < 1.5
+    assert None not in ids and poll_until(a, ids).done == sorted(ids)
+
+
+def test_a_pair_survives_a_caller_that_only_writes_for_twice_the_heartbeat_timeout(make_transport, child):
+    """A caller that polls once, then writes without a poll for 2.5× the heartbeat timeout
+    (one write per ~0.5 ms of Python): its writes keep the loop moving (a pass of it once per
+    lease), so heartbeats flow both ways and no write fails (the loop went unrun for the whole
+    burst: the child dropped us).  Two processes, as in production: in one process the caller
+    can starve another facade's loop thread of the GIL (docs/migration.md)."""
+    t = make_transport(block_memory(seed=37), "burst-p")
+    c = child("burst-c")
+    pair_with_child(t, c)
+    assert poll_until(t, {t.write_blocks("child", [0], [0])}).done
+    start, ids = time.monotonic(), []
+    while time.monotonic() - start < 2.5 * TIMINGS["heartbeat_timeout"]:
+        transfer_id = t.write_blocks("child", [1], [1])
+        assert transfer_id is not None, t.last_error
+        ids.append(transfer_id)
+        busy(0.0005)
+    result = poll_until(t, set(ids))
+    assert not result.failed, f"{len(result.failed)} of {len(ids)} failed: {t.failure_reason(result.failed[0])}"
+    assert result.done == sorted(ids)
+
+
+def test_a_sigint_during_a_write_started_in_the_callers_thread_waits_for_the_write(make_transport, monkeypatch):
+    """A write started in the caller's (main) thread runs the transport's code there: a SIGINT
+    that comes meanwhile is held until the write was handed to the transport, then raised; the
+    write still completes and is reported by a later poll (it was cut in half, and its id stayed
+    in flight forever)."""
+    monkeypatch.setattr(portal_module, "LEASE_S", 0.25)  # the write surely starts in this thread
+    assert threading.current_thread() is threading.main_thread()
+    a = make_transport(block_memory(seed=36), "sigint-a")
+    b = make_transport(block_memory(), "sigint-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done  # the caller holds the loop now
+    transport = a.agent.transport
+    real, finished, where = transport.write_runs, [], []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        where.append(threading.current_thread().name)
+        os.kill(os.getpid(), signal.SIGINT)
+        total = 0
+        for i in range(10_000):  # bytecode a KeyboardInterrupt would land in
+            total += i
+        result = real(*args, **kwargs)
+        finished.append(total > 0)
+        return result
+
+    transport.write_runs = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            a.write_blocks("B", [1], [1])
+    finally:
+        transport.write_runs = real
+    assert where == ["MainThread"] and finished == [True]
+    result = poll_until(a, set(a._engine.inflight))  # the id it never returned is reported done
+    assert len(result.done) == 1 and not result.failed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["racing", "cut-short"])
+def test_close_is_whole_when_it_returns_racing_another_close_or_after_one_cut_short(cut_short):
+    """Two threads close at once: the second returns only once the first is done (the loop
+    thread joined, the port free).  A close cut short by Ctrl-C while it waits for the agent's
+    close is finished by the next ``close()`` (it was a no-op: the loop thread ran forever)."""
+    t = SyncDataTransport(memoryview(block_memory()), config=config(f"whole-close-{cut_short}"))
+    agent, thread = t.agent, t._portal.thread
+    real_close, started = agent.close, threading.Event()
+
+    async def slow_close() -> None:  # lanes draining take a moment
+        started.set()
+        await asyncio.sleep(0.4)
+        await real_close()
+
+    agent.close = slow_close  # type: ignore[method-assign]
+    if cut_short:
+        assert threading.current_thread() is threading.main_thread()
+        ctrl_c = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            t.close()
+        ctrl_c.join()
+        assert thread.is_alive()
+        t.close()
+    else:
+        first = threading.Thread(target=t.close)
+        first.start()
+        assert started.wait(DEADLINE_S)
+        t.close()
+        first.join(DEADLINE_S)
+    assert not thread.is_alive(), "close() returned while the loop thread still runs"
+    with pytest.raises(ClosedError):
+        t.poll()
+
+
 def test_a_write_the_agent_refuses_on_the_loop_is_reported_failed(make_transport):
     """The caller's checks passed but the agent refuses the write once the loop posts it (the
     peer left in between; a UCX error posting it): ``poll`` reports it failed, with the reason."""

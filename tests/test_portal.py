@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from omni_async.errors import ClosedError
 from omni_async.seed.portal import Portal
 
 pytestmark = pytest.mark.timeout(30)
@@ -102,3 +103,85 @@ def test_a_call_that_holds_the_loop_longer_than_the_lease_keeps_it_for_the_next_
         with portal.driving(0.0) as driving:  # the next poll finds the loop free, at once
             assert driving
     loop_thread_runs_it(portal)  # a lease after the last call, the loop's thread has it again
+
+
+def test_calls_that_do_not_turn_the_loop_cannot_keep_it_unrun(portal, monkeypatch):
+    """After a turn, a burst of calls that hold the loop but never run it (writes without a
+    poll) extends the callers' lease once, not call after call: within about a lease the
+    daemon thread runs the loop again (it did not for as long as the burst lasted)."""
+    import omni_async.seed.portal as portal_module
+
+    monkeypatch.setattr(portal_module, "LEASE_S", 0.1)
+    with portal.driving(5.0) as driving:  # a poll: a turn of the loop
+        assert driving
+        portal.turn(0.001)
+    ran = threading.Event()
+    portal.loop.call_soon_threadsafe(ran.set)
+    start = time.monotonic()
+    while not ran.is_set() and time.monotonic() - start < 3.0:
+        with portal.driving(0.0):  # a write: holds the loop for a moment, never runs it
+            time.sleep(0.0005)
+        time.sleep(0.0005)  # the caller's own work, well within the lease
+    assert ran.is_set(), "the loop did not run for 3 s while the caller only wrote"
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_call_handed_to_a_closed_portal_raises_closed_error():
+    """``run`` after the loop closed (a facade call racing another thread's ``close()``)
+    raises ClosedError, not the loop's RuntimeError, and leaves no coroutine unawaited."""
+    import asyncio
+    import warnings
+
+    made = Portal("omni-test-portal", "test portal", use_uvloop=False)
+    made.stop(None, 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would be a RuntimeWarning
+        with pytest.raises(ClosedError):
+            made.run(asyncio.sleep(0), 1.0, "a late call")
+        import gc
+
+        gc.collect()
+
+
+def test_a_stop_is_whole_when_it_returns_even_racing_another_or_cut_short():
+    """Two threads stopping at once: the second returns only once the first is done (the loop
+    thread joined).  A stop cut short by an interrupt while it waits for the owner's close
+    leaves the rest to the next stop, which waits for that same close (not a second one)."""
+    import asyncio
+
+    made = Portal("omni-test-portal", "test portal", use_uvloop=False)
+    started, closes = threading.Event(), []
+
+    async def slow_close() -> None:
+        closes.append(1)
+        started.set()
+        await asyncio.sleep(0.3)
+
+    first = threading.Thread(target=made.stop, args=(slow_close, 5.0))
+    first.start()
+    try:
+        assert started.wait(5.0)
+        made.stop(slow_close, 5.0)
+        assert not made.thread.is_alive(), "the second stop returned while the first was still stopping"
+    finally:
+        first.join(5.0)
+    assert closes == [1]
+
+    cut = Portal("omni-test-portal", "test portal", use_uvloop=False)
+    started.clear()
+    closes.clear()
+    assert threading.current_thread() is threading.main_thread()
+    ctrl_c = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))  # while the stop waits for the close
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cut.stop(slow_close, 5.0)
+        assert cut.thread.is_alive()  # cut short before the loop was stopped
+        cut.stop(slow_close, 5.0)  # the next stop finishes the job
+        assert not cut.thread.is_alive() and closes == [1]
+    finally:
+        ctrl_c.join()
+        cut._end()
+        if not cut.loop.is_closed():
+            cut.loop.call_soon_threadsafe(cut.loop.stop)
+        cut.thread.join(5.0)

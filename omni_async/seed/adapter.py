@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import weakref
 from collections import deque
 from collections.abc import Coroutine, Mapping
 from functools import partial
@@ -276,11 +275,11 @@ class SyncTransferAdapter(Facade):
         engine = _AdapterEngine(config, stage, destination, source, use_uvloop)
         self._engine = engine
         self._portal = engine.portal
-        self._finalizer = weakref.finalize(self, engine.shutdown)
+        self._arm(engine.shutdown)
         try:
             service = engine.start()
         except BaseException:
-            self._finalizer()
+            self._stop()
             raise
         self.control_address = service.control_address
 

@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import logging
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -42,7 +43,7 @@ from typing import Any, Self, TypeVar, cast
 from ..errors import ClosedError, DeadlineExceeded
 from ..eventloop import new_event_loop
 
-__all__ = ["LEASE_S", "NEWS_WAIT_S", "Facade", "Portal"]
+__all__ = ["LEASE_S", "NEWS_WAIT_S", "Facade", "Portal", "sigint_held"]
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,12 @@ class Portal:
         self._until_news = False  # the running turn ends at the next notify() (driver's thread)
         self._lease = threading.Condition()  # the daemon thread waits on it while callers drive
         self._wanted = 0  # under _lease: callers waiting for the drive lock
-        self._last_turn = 0.0  # monotonic end of the callers' last turn of the loop
+        self._last_turn = 0.0  # monotonic start of the callers' lease: their last turn (or a call extending it)
+        self._last_run = 0.0  # monotonic end of the callers' last turn of the loop (only turn() sets it)
+        self._last_call = 0.0  # monotonic start of the callers' last call that asked burst_wait()
         self._ended = False  # under _lease: the daemon thread leaves once its loop stops
+        self._stopping = threading.Lock()  # held by the caller stopping the portal (others wait)
+        self._closing: concurrent.futures.Future[tuple[bool, Any]] | None = None  # the owner's close, once handed over
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -135,7 +140,7 @@ class Portal:
     def _hand_back(self) -> None:
         """Let the daemon thread run the loop now (a caller about to wait for it)."""
         with self._lease:
-            self._last_turn = 0.0
+            self._last_turn = self._last_run = 0.0
             self._lease.notify_all()
 
     # -- callers running the loop ----------------------------------------------------------------
@@ -159,11 +164,13 @@ class Portal:
         try:
             yield True
         finally:
-            if entered - self._last_turn < LEASE_S:
+            if entered - self._last_run < LEASE_S:
                 # A caller in its rhythm of calls (it ran the loop within the lease before this
                 # one): the lease runs from the end of this call, not from that turn, so a call
                 # that held the loop longer than the lease (a large write's copy) does not cost
-                # the next poll a hand-over.  A caller that only writes never had a turn.
+                # the next poll a hand-over.  Only a turn opens that window, so calls that do
+                # not run the loop (a burst of writes) cannot keep it unrun: at most one call
+                # after the lease of the turn before it.
                 self._last_turn = time.monotonic()
             self._driver = None
             self._drive.release()
@@ -202,12 +209,35 @@ class Portal:
         timer = loop.call_later(wait, loop.stop)
         self._until_news = True
         try:
-            with _sigint_held():
+            with sigint_held():
                 loop.run_forever()
         finally:
             self._until_news = False
             timer.cancel()
-            self._last_turn = time.monotonic()
+            self._last_turn = self._last_run = time.monotonic()
+
+    def burst_wait(self) -> float:
+        """How long a caller's call may wait to take the loop (``driving(portal.burst_wait())``):
+        :data:`NEWS_WAIT_S` if the previous such call came within the interpreter's switch
+        interval (a burst of calls), else 0 (then, without the loop, the call hands its work
+        to the loop's thread).  During a burst the loop's thread may not get the GIL back
+        until the burst ends (the calling thread gives it up only for moments, each waking
+        that thread too late to take it): so the callers keep the loop, taking it back if
+        that thread had it.  Between sparse calls that thread gets the GIL in time."""
+        now = time.monotonic()
+        burst = now - self._last_call < sys.getswitchinterval()
+        self._last_call = now
+        return NEWS_WAIT_S if burst else 0.0
+
+    def catch_up(self) -> None:
+        """Inside :meth:`driving` (which returned True), after a call that did not turn the
+        loop: if no caller turned it for :data:`LEASE_S`, run one pass of it now, without
+        waiting (ready callbacks, due timers, I/O ready now).  A caller whose calls hold the
+        loop without turning it (a burst of writes, no poll) so keeps it moving (heartbeats,
+        peers' writes): the daemon thread cannot be relied on then, as it may not get the GIL
+        back for as long as the caller's thread gives it up only for moments."""
+        if time.monotonic() - self._last_run >= LEASE_S:
+            self.turn(0.0)
 
     # -- checks --------------------------------------------------------------------------------
     def check_caller(self) -> None:
@@ -234,7 +264,7 @@ class Portal:
         it while stopping.
         """
         self.check_caller()
-        future = asyncio.run_coroutine_threadsafe(_boxed(coro), self.loop)
+        future = self._submit(coro)
         self._hand_back()
         try:
             ok, value = future.result(timeout)
@@ -246,6 +276,16 @@ class Portal:
         if not ok:
             raise value
         return cast(T, value)
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[tuple[bool, Any]]:
+        """Hand ``coro`` to the loop; :class:`ClosedError` (and ``coro`` closed) if it closed."""
+        boxed = _boxed(coro)
+        try:
+            return asyncio.run_coroutine_threadsafe(boxed, self.loop)
+        except RuntimeError:  # the loop closed concurrently (a close() in another thread)
+            boxed.close()
+            coro.close()
+            raise ClosedError(f"{self.owner} is closed") from None
 
     def call(self, fn: Callable[..., T], *args: Any, timeout: float, what: str) -> T:
         """Run the plain function ``fn(*args)`` on the loop and wait (bounded) for its result.
@@ -306,9 +346,11 @@ class Portal:
 
         ``close()`` is never cancelled by this wait (a cut-short close leaves sockets bound and
         UCX workers alive): ``timeout`` is a safety bound far above the bounded close it waits
-        for, logged if passed.  Idempotent.  In a thread that runs the loop (a finalizer run
-        there) nothing may wait, so the close then finishes on the loop, run by the daemon
-        thread.
+        for, logged if passed.  Idempotent, and whole when it returns: a second thread's call
+        waits for the first one's, and a call cut short (a ``KeyboardInterrupt`` while it
+        waits) leaves the rest to the next one, which waits for the same ``close()`` rather
+        than starting another.  In a thread that runs the loop (a finalizer run there)
+        nothing may wait, so the close then finishes on the loop, run by the daemon thread.
         """
         with self.lock:
             self.closed = True
@@ -316,28 +358,30 @@ class Portal:
         if self._runs_loop():
             self.loop.create_task(self._close_and_stop(close), name=f"{self.owner}-close")
             return
-        if not self.thread.is_alive() or self.loop.is_closed():
-            return
-        if close is not None:
-            future = asyncio.run_coroutine_threadsafe(_boxed(close()), self.loop)
-            self._hand_back()
+        with self._stopping:
+            if not self.thread.is_alive() or self.loop.is_closed():
+                return
+            if close is not None:
+                if self._closing is None:
+                    self._closing = asyncio.run_coroutine_threadsafe(_boxed(close()), self.loop)
+                self._hand_back()
+                try:
+                    ok, error = self._closing.result(timeout)
+                except concurrent.futures.TimeoutError:
+                    log.error("closing the %s did not finish within %.1fs", self.owner, timeout)
+                except concurrent.futures.CancelledError:
+                    pass  # the loop stopped meanwhile
+                else:
+                    if not ok:
+                        log.error("closing the %s failed: %r", self.owner, error)
+            self._end()
             try:
-                ok, error = future.result(timeout)
-            except concurrent.futures.TimeoutError:
-                log.error("closing the %s did not finish within %.1fs", self.owner, timeout)
-            except concurrent.futures.CancelledError:
-                pass  # the loop stopped meanwhile
-            else:
-                if not ok:
-                    log.error("closing the %s failed: %r", self.owner, error)
-        self._end()
-        try:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # the loop closed meanwhile
-            return
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            log.warning("event-loop thread of the %s did not stop within %.1fs", self.owner, timeout)
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            except RuntimeError:  # the loop closed meanwhile
+                return
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                log.warning("event-loop thread of the %s did not stop within %.1fs", self.owner, timeout)
 
     async def _close_and_stop(self, close: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
         try:
@@ -358,12 +402,13 @@ class Portal:
 class Facade:
     """What both seed facades share: a :class:`Portal`, a finalizer that stops it, ``with`` support.
 
-    A subclass sets ``_portal``, ``_finalizer`` (a :func:`weakref.finalize` of its engine's
-    shutdown, so an unreferenced facade is stopped too), :attr:`peer_id` and
-    :attr:`control_address`, and describes itself in ``_describe``.
+    A subclass sets ``_portal``, calls :meth:`_arm` with its engine's shutdown (which stops
+    the portal; also run by a finalizer, so an unreferenced facade is stopped too), sets
+    :attr:`peer_id` and :attr:`control_address`, and describes itself in ``_describe``.
     """
 
     _portal: Portal
+    _shutdown: Callable[[], None]
     _finalizer: weakref.finalize[Any, Any]
     peer_id: str
     """This side's agent-level id (what a peer's metadata, ``destination`` or ``source`` names)."""
@@ -390,14 +435,23 @@ class Facade:
         work only thread-safely (``call_soon_threadsafe``, ``run_coroutine_threadsafe``)."""
         return self._portal.loop
 
+    def _arm(self, shutdown: Callable[[], None]) -> None:
+        """``shutdown()`` (idempotent, holding no reference to this facade) stops it: on
+        :meth:`_stop`, or once the facade is collected."""
+        self._shutdown = shutdown
+        self._finalizer = weakref.finalize(self, shutdown)
+
     def _stop(self) -> None:
-        """Stop the portal (idempotent); refused on the loop's own thread."""
+        """Stop the portal (idempotent, and whole when it returns: see :meth:`Portal.stop`);
+        refused on the loop's own thread.  Not through the finalizer, which runs once: a stop
+        cut short, or racing another, would return before the end."""
         self._portal.check_caller()
-        self._finalizer()
+        self._finalizer.detach()
+        self._shutdown()
 
 
 @contextmanager
-def _sigint_held() -> Iterator[None]:
+def sigint_held() -> Iterator[None]:
     """In the main thread: hold a SIGINT that arrives during the block, then hand it to the
     handler installed before (a Python-level one; an ignored, default or C-level SIGINT
     handler is left alone).  A look and a handler swap each way, through ``_signal`` (the C

@@ -24,7 +24,6 @@ import ctypes
 import itertools
 import logging
 import socket
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
@@ -52,7 +51,7 @@ from ..region import BlockRegion, Run, config_fingerprint, plan_runs
 from ..session import SessionEvent
 from ..transport import CancelMode, Transfer
 from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
-from .portal import NEWS_WAIT_S, Facade, Portal
+from .portal import NEWS_WAIT_S, Facade, Portal, sigint_held
 
 __all__ = ["PollResult", "SyncDataTransport"]
 
@@ -345,11 +344,11 @@ class SyncDataTransport(Facade):
         engine = _Engine(config, use_uvloop)
         self._engine = engine
         self._portal = engine.portal
-        self._finalizer = weakref.finalize(self, engine.shutdown)
+        self._arm(engine.shutdown)
         try:
             agent = engine.start(BlockRegion.wrap(view))
         except BaseException:
-            self._finalizer()
+            self._stop()
             raise
         self.control_address = _dialable(agent.control_address, advertise_host)
         self._metadata = encode_agent_metadata(AgentCard(self.control_address, config.peer_id, self.config_fingerprint))
@@ -439,10 +438,14 @@ class SyncDataTransport(Facade):
         The peer and the indices are checked here, and the write starts here too if this
         thread holds the transport's loop (it polled within the last
         :data:`~omni_async.seed.portal.LEASE_S`, see :meth:`Portal.driving
-        <omni_async.seed.portal.Portal.driving>`): a write to a peer on this host is then copied
-        into the peer's rows and told before this returns, its acknowledgement taken by a later
-        :meth:`poll`.  Otherwise (the loop's thread has the loop, or this thread runs an event
-        loop of its own) the write is handed to the loop's thread, without waiting.
+        <omni_async.seed.portal.Portal.driving>`), or takes it back from the loop's thread
+        within :data:`~omni_async.seed.portal.NEWS_WAIT_S` in a burst of calls
+        (:meth:`Portal.burst_wait <omni_async.seed.portal.Portal.burst_wait>`).  A write to a
+        peer on this host is then copied into the peer's rows and told before this returns,
+        its acknowledgement taken by a later :meth:`poll`; and if no call turned the loop for a
+        lease (writes without polls), one pass of it runs here too, so heartbeats keep moving.
+        Otherwise (the loop's thread has the loop, or this thread runs an event loop of its
+        own) the write is handed to the loop's thread, without waiting.
         Returns a transfer id (this facade's own, unique for this transport's life) to find in
         :meth:`poll`; or ``None`` if ``peer_id`` is not registered (or its connection is gone)
         or the indices are invalid (see :attr:`last_error`).  A write the agent refuses once on
@@ -454,7 +457,7 @@ class SyncDataTransport(Facade):
         engine, portal = self._engine, self._portal
         local, remote = list(local_idxs), list(remote_idxs)  # lists: a contiguous write plans as one run at once
         refused: OmniAsyncError | None = None
-        with portal.driving() as driving:
+        with portal.driving(portal.burst_wait()) as driving:
             with portal.lock:
                 portal.check_open()
                 core_id = engine.peers.get(peer_id)
@@ -479,7 +482,9 @@ class SyncDataTransport(Facade):
                             raise
                         return transfer_id
             if refused is None:
-                write()  # the loop's next run (the next poll's, or its thread's) carries on
+                with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
+                    write()  # the loop's next run (the next poll's, or its thread's) carries on
+                portal.catch_up()  # (no poll for a while: this thread keeps the loop moving)
                 return transfer_id
         self._last_error = refused
         log.warning("write to %s refused: %s", peer_id, refused)
