@@ -126,21 +126,29 @@ def test_calls_that_do_not_turn_the_loop_cannot_keep_it_unrun(portal, monkeypatc
     assert time.monotonic() - start < 1.0
 
 
-def test_a_call_handed_to_a_closed_portal_raises_closed_error():
-    """``run`` after the loop closed (a facade call racing another thread's ``close()``)
-    raises ClosedError, not the loop's RuntimeError, and leaves no coroutine unawaited."""
+@pytest.mark.parametrize("when", ["ending", "closed"])
+def test_a_call_handed_to_an_ended_portal_raises_closed_error(when):
+    """``run`` once the portal ended (a facade call racing another thread's ``close()``):
+    ClosedError at once, not the loop's RuntimeError once it closed, nor a wait without end
+    while it ends (a coroutine handed over then might never run), and no coroutine left
+    unawaited."""
     import asyncio
+    import gc
     import warnings
 
     made = Portal("omni-test-portal", "test portal", use_uvloop=False)
-    made.stop(None, 5.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # "coroutine ... was never awaited" would be a RuntimeWarning
-        with pytest.raises(ClosedError):
-            made.run(asyncio.sleep(0), 1.0, "a late call")
-        import gc
-
-        gc.collect()
+    if when == "closed":
+        made.stop(None, 5.0)
+    else:
+        made._end()  # what stop() does just before it stops the loop
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "coroutine ... was never awaited" would be a RuntimeWarning
+            with pytest.raises(ClosedError):
+                made.run(asyncio.sleep(0), None, "a late call")
+            gc.collect()
+    finally:
+        made.stop(None, 5.0)
 
 
 def test_a_stop_is_whole_when_it_returns_even_racing_another_or_cut_short():

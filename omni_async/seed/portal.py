@@ -278,14 +278,17 @@ class Portal:
         return cast(T, value)
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[tuple[bool, Any]]:
-        """Hand ``coro`` to the loop; :class:`ClosedError` (and ``coro`` closed) if it closed."""
+        """Hand ``coro`` to the loop; :class:`ClosedError` (and ``coro`` closed) once the
+        portal ended.  (Handed over before that, the daemon thread's last pass of the loop
+        starts it and cancels it: its waiter gets :class:`ClosedError` too.  Handed over after,
+        it might never run: a caller waiting without a timeout would wait forever.)"""
         boxed = _boxed(coro)
-        try:
-            return asyncio.run_coroutine_threadsafe(boxed, self.loop)
-        except RuntimeError:  # the loop closed concurrently (a close() in another thread)
-            boxed.close()
-            coro.close()
-            raise ClosedError(f"{self.owner} is closed") from None
+        with self._lease:
+            if not self._ended:
+                return asyncio.run_coroutine_threadsafe(boxed, self.loop)
+        boxed.close()
+        coro.close()
+        raise ClosedError(f"{self.owner} is closed")
 
     def call(self, fn: Callable[..., T], *args: Any, timeout: float, what: str) -> T:
         """Run the plain function ``fn(*args)`` on the loop and wait (bounded) for its result.
