@@ -543,6 +543,45 @@ async def test_a_split_announced_write_whose_copy_fails_frees_every_window_share
     assert (window.messages, window.nbytes) == (0, 0)
 
 
+async def test_a_split_write_with_a_notice_whose_copy_fails_sends_no_later_part(make_agent):
+    """The first part's copy of a split write with a notice fails (no permission): the write
+    fails with one failed notice, and no later part of it is sent (one sent over UCX after the
+    write's Abort started a notice that could never end at the receiver: every later write
+    with a notice waited behind it, unacknowledged).  A later write with a notice completes."""
+    a, b = await split_pair(make_agent)
+    link = a.transport.links["b"]
+    direct, failed = link.direct, []
+
+    class FailOnce:  # fault injection around the real writer: its first copy fails
+        kind, num_blocks, mapped = direct.kind, direct.num_blocks, direct.mapped
+
+        def place(self, srcs, runs):
+            if not failed:
+                failed.append(1)
+                raise PermissionError(1, "not permitted")
+            return direct.place(srcs, runs)
+
+        def close(self):
+            direct.close()
+
+    link.direct = FailOnce()
+    rows = list(range(48))  # three requests of 16 blocks
+    with pytest.raises(TransferFailed, match="not permitted"):
+        await asyncio.wait_for(a.write_blocks("b", rows, rows, notice=b"split"), 5)
+    a.region.array[50] = 7
+    await asyncio.wait_for(a.write_blocks("b", [50], [50], notice=b"later"), 5)
+    got = []
+    async with asyncio.timeout(5):
+        async for notice in b.notices():
+            got.append((notice.data, notice.failed is not None))
+            if notice.data == b"later":
+                break
+    assert got == [(b"split", True), (b"later", False)] and (b.region.array[50] == 7).all()
+    async with asyncio.timeout(5):  # nothing left at the receiver that could hold a later notice
+        while len(b.transport.links["a"].notices):
+            await asyncio.sleep(0.01)
+
+
 async def test_switch_off_leaves_everything_on_ucx(make_agent):
     a, b = await pair(make_agent, same_host_lane=False)
     assert a.transport.links["b"].ring_in is None and a.transport.links["b"].ring_out is None

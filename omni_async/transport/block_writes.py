@@ -163,8 +163,12 @@ class BlockWrites(TransportCore):
             if tag is not None:
                 post = partial(self._gate, link, transfer.id, False, post)
             requests.append((1 if gather else messages, 0, post))
-        # An announced write given up is aborted, as one with a notice: its intents fail.
-        carry_out(link.outbox.submit(transfer.id, requests, noticed=notice is not None or announced))
+        # An announced write given up is aborted, as one with a notice: its intents fail.  Each
+        # request is carried out only while the transfer is live (see _if_live).
+        live: list[tuple[int, int, Callable[[], None]]] = [
+            (count, size, partial(self._if_live, link, transfer.id, post)) for count, size, post in requests
+        ]
+        carry_out(link.outbox.submit(transfer.id, live, noticed=notice is not None or announced))
         return transfer
 
     def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
@@ -329,6 +333,18 @@ class BlockWrites(TransportCore):
                 self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
             return False
         return True
+
+    def _if_live(self, link: PeerLink, transfer_id: int, post: Callable[[], None]) -> None:
+        """Carry out ``post`` (a request of a split write) only while its transfer is not
+        settled.  The window hands out several requests at once; once one of them settled the
+        transfer (a copy that failed; a cancel or deadline while they waited) the others are
+        never sent (one sent after the transfer's ``Abort`` started a notice at the receiver
+        that could never end, holding every later notice behind it): their window shares are
+        freed instead."""
+        if transfer_id in link.sent:
+            post()
+        else:
+            carry_out(link.outbox.withdraw(transfer_id))
 
     def _gate(self, link: PeerLink, transfer_id: int, ring: bool, post: Callable[[], None]) -> None:
         """Post a request with a notice in write order: behind the ones held already and, if it
