@@ -61,6 +61,7 @@ from .errors import (
     TransferRefused,
 )
 from .transport import Frames, Transfer
+from .transport.limits import check_key
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +292,8 @@ class UcxConnector(Connector):
     def _encode(self, key: str, payload: serde.Payload) -> tuple[bytes, list[Any]]:
         if self._closed:
             raise ClosedError("connector is closed")
-        if type(key) is str and key.startswith(batch.RESERVED):
+        check_key(key)  # (here: a key the wire cannot carry fails its own put, never a batch's)
+        if key.startswith(batch.RESERVED):
             raise ValueError(f"keys starting with {batch.RESERVED!r} are the connector's own: {key!r}")
         header, frames = serde.encode(payload)
         return self._signed(header, frames), frames
@@ -310,7 +312,13 @@ class UcxConnector(Connector):
         _report(index, partial(self.agent.send_message, peer_id, key, header, frames), done)
 
     def _send_batch(self, peer_id: str, items: list[_Encoded], done: PutDone) -> None:
-        meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])
+        try:
+            meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])
+        except Exception:  # (not expected: the items' keys were checked) each alone, for its own outcome
+            log.exception("a batch of %d payloads could not be encoded", len(items))
+            for item in items:
+                self._send_one(peer_id, item, done)
+            return
         meta = self._signed(meta, [])  # (each item's header carries the digest of its frames)
         try:
             transfer = self.agent.send_message(
@@ -460,9 +468,12 @@ class UcxConnector(Connector):
         if not self._held and self._acked_bytes + nbytes <= limit:
             self._store(peer_id, key, payload, nbytes)
             return None
-        if self._held and self._held_bytes + nbytes > limit:
+        if self._held_bytes + nbytes > limit:  # (alone over the limit: it could never be admitted)
             self._forget_empty(key)
-            raise BufferFull(f"{self._acked_bytes + self._held_bytes} bytes are buffered already (max_buffered_bytes)")
+            raise BufferFull(
+                f"a payload of {nbytes} bytes does not fit: {self._acked_bytes + self._held_bytes} bytes are "
+                f"buffered already (max_buffered_bytes {limit}, as many again held)"
+            )
         space: asyncio.Future[None] = self._loop.create_future()
         stored = candidates[peer_id] = _Stored(key, peer_id, payload, nbytes, space)
         self._count += 1

@@ -7,7 +7,15 @@ import time
 import numpy as np
 import pytest
 
-from omni_async import ClosedError, DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled, TransferRefused
+from omni_async import (
+    BufferFull,
+    ClosedError,
+    DeadlineExceeded,
+    PeerLost,
+    ProtocolError,
+    TransferCancelled,
+    TransferRefused,
+)
 from omni_async.adapter import TransferAdapter
 from omni_async.config import AdapterOptions
 
@@ -413,6 +421,21 @@ async def test_buffer_limits_are_checked_before_storing(make_service):
     results = await asyncio.wait_for(asyncio.gather(*small, return_exceptions=True), 5)
     assert [type(r).__name__ for r in results] == ["NoneType"] * 12 + ["BufferFull"]
     assert rx.connector.buffered == (12, 0)
+
+
+async def test_a_payload_larger_than_the_buffer_is_refused_at_once(make_service):
+    """A payload nobody asked for that is larger than ``max_buffered_bytes`` could never be
+    acknowledged: it is refused with BufferFull at once, with nothing held or stored (it was
+    held, 16× over the limit, until its sender's timeout)."""
+    limit = 64 * 1024
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"max_buffered_bytes": limit}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    with pytest.raises(BufferFull, match="does not fit"):
+        await asyncio.wait_for(tx.connector.put("rx", "big", {"x": np.zeros(16 * limit, np.uint8)}), 5)
+    assert rx.connector.buffered == (0, 0)
+    await asyncio.wait_for(tx.connector.put("rx", "small", {"x": np.zeros(limit // 2, np.uint8)}), 5)
+    assert rx.connector.buffered == (1, limit // 2)
 
 
 async def test_a_peer_that_left_releases_what_it_owned(make_service):

@@ -207,6 +207,37 @@ async def test_an_item_that_cannot_start_fails_alone(make_service):
     assert all(isinstance(o, KeyError) for o in outcomes)  # UnknownPeer, each on its own
 
 
+async def test_a_key_the_wire_cannot_carry_fails_only_its_own_item(make_service):
+    """A key over the wire's ``MAX_KEY`` or with no UTF-8 form (a lone surrogate) fails its
+    own item with InvalidMessage, batched or alone; the items beside it arrive.  (Batched, the
+    long key made the receiver refuse the whole batch as malformed, every item failing with
+    ProtocolError; the surrogate raised out of ``put_many_nowait``.)"""
+    from omni_async import InvalidMessage
+
+    tx, rx = await pair(make_service)
+    items = [("k:0", {"i": 0}), ("x" * 1100, {"i": 1}), ("\ud800", {"i": 2}), ("k:3", {"i": 3})]
+    outcomes = await put_many(tx.connector, "rx", items)
+    assert outcomes[0] is None and outcomes[3] is None, outcomes
+    assert isinstance(outcomes[1], InvalidMessage) and isinstance(outcomes[2], InvalidMessage), outcomes
+    assert (await rx.connector.get("k:3", timeout=5)) == {"i": 3}
+    for key in ("x" * 1100, "\ud800"):
+        with pytest.raises(InvalidMessage):
+            tx.connector.put_nowait("rx", key, {"i": 0})
+
+
+async def test_batches_stay_within_the_receivers_max_message_bytes(make_service):
+    """A receiver with a small ``max_message_bytes``: payloads that each fit it are batched
+    only as many as fit it together (a batch over it failed every item in it)."""
+    tx, rx = await pair(make_service, agent={"max_message_bytes": 16 * 1024})
+    assert tx.agent.batch_bytes("rx") == 16 * 1024
+    keys = count_messages(tx)
+    items = [(f"m:{i}", {"x": np.full(4096, i, np.uint8)}) for i in range(8)]
+    assert await put_many(tx.connector, "rx", items) == [None] * 8
+    assert 2 <= keys.count(batch.BATCH_KEY) < 8  # several batches, each within the limit
+    for i in range(8):
+        assert (await rx.connector.get(f"m:{i}", timeout=5))["x"][0] == i
+
+
 async def test_a_malformed_batch_fails_its_sender_and_the_receiver_serves_on(make_service):
     tx, rx = await pair(make_service)
     garbage = msgspec.msgpack.encode([["k", b"h", 5], ["l", b"h", 0]])  # names 5 frames, none come

@@ -103,18 +103,30 @@ def split_runs(
     return requests
 
 
+def check_key(key: Any) -> None:
+    """Raise unless ``key`` can name a chunk message: :class:`TypeError` if it is not a
+    ``str``; :class:`~omni_async.errors.InvalidMessage` if it is over :data:`MAX_KEY`
+    characters or has no UTF-8 form (a lone surrogate), which the wire could not carry."""
+    if not isinstance(key, str):
+        raise TypeError(f"a message key must be a str, got {type(key).__name__}")
+    if len(key) > MAX_KEY:
+        raise InvalidMessage(f"message key of {len(key)} characters exceeds {MAX_KEY}")
+    if not key.isascii():
+        try:
+            key.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidMessage(f"message key {key!r} has no UTF-8 form: {exc.reason}") from None
+
+
 def check_message(key: Any, meta: Any, sizes: Sequence[int], max_bytes: int) -> None:
     """Raise unless a chunk message fits the wire and the receiver's ``max_bytes``.
 
     :class:`TypeError` for a key that is not a ``str`` or meta that is not bytes-like;
     :class:`~omni_async.errors.InvalidMessage` for one over a limit.
     """
-    if not isinstance(key, str):
-        raise TypeError(f"a message key must be a str, got {type(key).__name__}")
+    check_key(key)
     if not isinstance(meta, bytes | bytearray | memoryview):
         raise TypeError(f"message meta must be bytes, got {type(meta).__name__}")
-    if len(key) > MAX_KEY:
-        raise InvalidMessage(f"message key of {len(key)} characters exceeds {MAX_KEY}")
     if memoryview(meta).nbytes > MAX_META_BYTES:
         raise InvalidMessage(f"message meta of {memoryview(meta).nbytes} bytes exceeds {MAX_META_BYTES}")
     if len(sizes) > MAX_FRAMES:

@@ -91,9 +91,11 @@ class Messages(TransportCore):
 
     def batch_bytes(self, peer_id: str) -> int:
         """The most bytes (frames and meta) one message of a batch of payloads to the peer may
-        hold, so that it travels whole (see :data:`BATCH_RING_BYTES`, :data:`BATCH_LANE_BYTES`).
-        Raises :class:`UnknownPeer`."""
-        return BATCH_RING_BYTES if self._link(peer_id).ring_out is not None else BATCH_LANE_BYTES
+        hold, so that it travels whole (see :data:`BATCH_RING_BYTES`, :data:`BATCH_LANE_BYTES`)
+        and within the peer's ``max_message_bytes``.  Raises :class:`UnknownPeer`."""
+        link = self._link(peer_id)
+        whole = BATCH_RING_BYTES if link.ring_out is not None else BATCH_LANE_BYTES
+        return min(whole, link.peer.max_message_bytes)
 
     def _post_message(
         self, link: PeerLink, transfer_id: int, key: str, meta: bytes, sizes: list[int], payload: Frames
