@@ -38,6 +38,7 @@ from .errors import (
     TransferCancelled,
     UnknownPeer,
 )
+from .lifecycle import log_failed_close
 from .serde import Payload
 from .transport import Transfer
 
@@ -81,6 +82,8 @@ class _Incoming:
     """Loop time at which the request stalls unless a chunk comes first; None: not watched."""
     timer: asyncio.TimerHandle | None = None
     """The one timer that checks :attr:`due` (a chunk only moves ``due``: no timer per chunk)."""
+    ended: bool = False
+    """The final chunk was loaded while earlier loads still waited: forgotten once they end."""
 
 
 class TransferAdapter:
@@ -121,6 +124,8 @@ class TransferAdapter:
         self._broken = ""
         """Why the adapter broke (its save loop died); empty while it works."""
         self._closing = False
+        self._close_task: asyncio.Task[None] | None = None
+        """The close in progress (or done): every :meth:`close` call waits for this one."""
         self.stalls = 0
         """Requests failed by their stall deadline so far (exported as ``omni_async_streams_stalled``)."""
 
@@ -300,7 +305,7 @@ class TransferAdapter:
         if not isinstance(chunk, Chunk):
             self.cleanup(request_id)
         elif chunk.final:
-            self._forget(request_id)
+            self._ended(request_id, state)
         return chunk
 
     def _wait_next(self, request_id: str) -> asyncio.Future[Chunk]:
@@ -368,8 +373,8 @@ class TransferAdapter:
         result.set_result(chunk)
         if state is not None and result in state.waiters:
             state.waiters.remove(result)
-            if chunk.final:
-                self._forget(request_id)
+            if chunk.final or state.ended:
+                self._ended(request_id, state)
 
     @staticmethod
     def _unwrap(request_id: str, index: int, envelope: dict[str, Any]) -> Chunk | OmniAsyncError:
@@ -446,6 +451,16 @@ class TransferAdapter:
             self._enqueue(request_id, {}, final=False, cancelled=True)
         self.cleanup(request_id)
 
+    def _ended(self, request_id: str, state: _Incoming) -> None:
+        """The request's final chunk was loaded (or, that done, an earlier one): forget the
+        request once no load of it waits any more (a final chunk can arrive, and be loaded,
+        before earlier ones: their loads keep the request, and its stall clock, until they
+        end)."""
+        if state.waiters:
+            state.ended = True
+        else:
+            self._forget(request_id)
+
     def _forget(self, request_id: str) -> _Incoming | None:
         state = self._incoming.pop(request_id, None)
         if state is not None and state.timer is not None:
@@ -460,10 +475,17 @@ class TransferAdapter:
     # -- lifecycle --------------------------------------------------------------------------
     async def close(self) -> None:
         """Stop accepting, let queued and in-flight saves finish for up to ``drain_timeout``,
-        then fail what is left with :class:`ClosedError`.  Idempotent."""
-        if self._closing:
-            return
-        self._closing = True
+        then fail what is left with :class:`ClosedError`.  Idempotent, and whole when it
+        returns: a second call waits for the first one's end, and a call cut short (its
+        caller cancelled, a timeout around it) does not cut the close short: it goes on, and
+        the next call waits for it."""
+        if self._close_task is None:
+            self._closing = True
+            self._close_task = self._loop.create_task(self._close(), name=f"omni-adapter-close-{self.stage}")
+            self._close_task.add_done_callback(log_failed_close)
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         pending = list(self._unsettled)
         if pending:
             await asyncio.wait(pending, timeout=self.options.drain_timeout)

@@ -8,12 +8,16 @@ here.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from abc import ABC, abstractmethod
 from typing import Self, TypeVar
 
 from .errors import ClosedError
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class Startable(ABC):
@@ -42,3 +46,10 @@ def started(part: T | None, owner: str) -> T:
     if part is None:
         raise ClosedError(f"{owner} is not started")
     return part
+
+
+def log_failed_close(task: asyncio.Task[None]) -> None:
+    """Done callback of a task that closes an object (its ``close()`` callers wait for it
+    shielded): its failure is logged, so also when every caller was cancelled meanwhile."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s failed", task.get_name(), exc_info=task.exception())

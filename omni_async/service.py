@@ -7,6 +7,7 @@ plane + UCX transport), the connector named by the config, and every adapter mad
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any, Self
 
 from .adapter import TransferAdapter
@@ -14,7 +15,7 @@ from .agent import Agent
 from .config import AdapterOptions, ServiceConfig, load_config
 from .connector import Connector, create_connector
 from .errors import ClosedError, ConfigError
-from .lifecycle import Startable, started
+from .lifecycle import Startable, log_failed_close, started
 from .region import BlockRegion
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ class ConnectorService(Startable):
         self._adapters: list[TransferAdapter] = []
         self._discovery: Discovery | None = None
         self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        """The close in progress (or done): every :meth:`close` call waits for this one."""
 
     async def start(self) -> Self:
         """Start the agent, build the connector and, when configured, start discovery.  Returns self."""
@@ -90,10 +93,17 @@ class ConnectorService(Startable):
         return [(adapter.stage, adapter.active_requests, adapter.stalls) for adapter in list(self._adapters)]
 
     async def close(self) -> None:
-        """Leave discovery, close adapters (draining their saves), the connector and the agent.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Leave discovery, close adapters (draining their saves), the connector and the agent.
+        Idempotent, and whole when it returns: a second call waits for the first one's end, and
+        a call cut short (its caller cancelled) does not cut the close short: it goes on, and
+        the next call waits for it."""
+        if self._close_task is None:
+            self._closed = True
+            self._close_task = asyncio.get_running_loop().create_task(self._close(), name="omni-service-close")
+            self._close_task.add_done_callback(log_failed_close)
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         if self._discovery is not None:
             await self._discovery.close()
         for adapter in self._adapters:

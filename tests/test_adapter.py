@@ -480,3 +480,78 @@ async def test_a_held_payload_expires_with_its_transfer(make_service):
     assert 0.4 < time.monotonic() - started < 3
     assert rx.connector.buffered == (1, size)
     assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size
+
+
+
+def _envelope(data, final=False):
+    """A chunk as an adapter's save sends it (to put it under a key of our choosing)."""
+    return {"final": final, "cancelled": False, "data": data}
+
+
+@pytest.mark.parametrize("ends_by", ["close", "stall"])
+async def test_a_final_chunk_loaded_before_an_earlier_one_keeps_that_load_watched(make_service, ends_by):
+    """Two loads of a request wait; its final chunk arrives (and is loaded) first.  The earlier
+    load still waits: the request is kept until it ends, so its stall deadline and ``close()``
+    still reach it (the request was forgotten: that load waited for ever)."""
+    tx = await make_service("tx")
+    rx = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    receiver = rx.adapter("st", source="tx", options=AdapterOptions(stall_timeout=0.3))
+    first, second = receiver.load_async("r"), receiver.load_async("r")
+    await asyncio.wait_for(tx.connector.put("rx", "r:st:1", _envelope({"i": 1}, final=True)), 5)
+    assert (await asyncio.wait_for(second, 5)).final
+    if ends_by == "close":
+        await receiver.close()
+    with pytest.raises(ClosedError if ends_by == "close" else DeadlineExceeded):
+        await asyncio.wait_for(first, 3)
+    assert receiver.active_requests == 0
+
+
+async def test_the_final_chunk_first_then_the_earlier_one_ends_the_request(make_service):
+    """The same order, the earlier chunk coming after all: both loads get theirs, and the
+    request is forgotten once the last load ended."""
+    tx = await make_service("tx")
+    rx = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    receiver = rx.adapter("st", source="tx")
+    first, second = receiver.load_async("r"), receiver.load_async("r")
+    await asyncio.wait_for(tx.connector.put("rx", "r:st:1", _envelope({"i": 1}, final=True)), 5)
+    assert (await asyncio.wait_for(second, 5)).final and receiver.active_requests == 1
+    await asyncio.wait_for(tx.connector.put("rx", "r:st:0", _envelope({"i": 0})), 5)
+    assert (await asyncio.wait_for(first, 5)).data == {"i": 0}
+    assert receiver.active_requests == 0
+
+
+async def test_a_close_cut_short_goes_on_and_the_next_close_waits_for_it(make_service):
+    """``close()`` cut short while it drains (a timeout around it) does not cut the close
+    short: the next ``close()`` returns once every save settled and the save task ended (it
+    returned at once, leaving both pending for ever); a second caller waits for the first."""
+    tx = await make_service("tx")
+    rx = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    window = asyncio.Semaphore(0)  # a window that never opens (shared with a stuck adapter, say)
+    sender = TransferAdapter(tx.connector, "st", peer_id="rx", window=window,
+                             options=AdapterOptions(drain_timeout=1.0))
+    saves = [sender.save_async("r", {"i": i}) for i in range(3)]
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(sender.close(), 0.2)
+    with pytest.raises(ClosedError):
+        sender.save_async("r", {"i": 3})  # closing: no new save
+    await asyncio.wait_for(asyncio.gather(sender.close(), sender.close()), 5)
+    assert all(isinstance(s.exception(), ClosedError) for s in saves)
+    assert sender._save_task is not None and sender._save_task.done()
+
+
+async def test_a_service_close_cut_short_goes_on_and_the_next_close_waits_for_it(make_service):
+    """The same for a whole service: a close cut short still closes its agent; the next
+    ``close()`` waits for that (it returned at once, the agent left open)."""
+    tx = await make_service("tx")
+    rx = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    adapter = tx.adapter("st", peer_id="rx", options=AdapterOptions(drain_timeout=0.5))
+    adapter._window = asyncio.Semaphore(0)  # (fault injection: a window that never opens)
+    save = adapter.save_async("r", {"i": 0})
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(tx.close(), 0.1)
+    await asyncio.wait_for(tx.close(), 10)
+    assert isinstance(save.exception(), ClosedError) and tx.agent._closed
