@@ -84,6 +84,8 @@ class _Incoming:
     """The one timer that checks :attr:`due` (a chunk only moves ``due``: no timer per chunk)."""
     ended: bool = False
     """The final chunk was loaded while earlier loads still waited: forgotten once they end."""
+    latest: tuple[asyncio.Future[Chunk], asyncio.Future[dict[str, Any]]] | None = None
+    """The latest load that waits (for chunk ``next_index - 1``) and its wait in the connector."""
 
 
 class TransferAdapter:
@@ -293,6 +295,12 @@ class TransferAdapter:
         if self._closing:
             raise ClosedError("adapter is closed")
         state = self._incoming.get(request_id)
+        if state is not None and state.latest is not None and state.latest[0].cancelled():
+            # The latest load was given up a moment ago (its callback still queued): handle it
+            # now, so this load asks for that chunk again rather than for the next one.
+            result, payload = state.latest
+            self._load_cancelled(request_id, state.next_index - 1, payload, result)
+            state = self._incoming.get(request_id)
         index = 0 if state is None else state.next_index
         envelope = self.connector.take_nowait(self._key(request_id, index), source=self.source)
         if envelope is None:
@@ -300,6 +308,7 @@ class TransferAdapter:
         if state is None:
             state = self._incoming[request_id] = _Incoming()
         state.next_index = index + 1
+        state.latest = None  # (a load that still waits is no longer the latest)
         self._rearm(request_id, None)
         chunk = self._unwrap(request_id, index, envelope)
         if not isinstance(chunk, Chunk):
@@ -319,6 +328,7 @@ class TransferAdapter:
         result: asyncio.Future[Chunk] = self._loop.create_future()
         state.waiters.append(result)
         payload = self.connector.wait_for(self._key(request_id, index), source=self.source)
+        state.latest = (result, payload)
         cancelled = partial(self._load_cancelled, request_id, index, payload)
         result.add_done_callback(cancelled)  # its owner may give it up
         payload.add_done_callback(partial(self._arrived, request_id, index, result, cancelled))
@@ -398,10 +408,11 @@ class TransferAdapter:
         if not result.cancelled():
             return
         state = self._incoming.get(request_id)
-        if state is None:
-            return
-        if result in state.waiters:
-            state.waiters.remove(result)
+        if state is None or result not in state.waiters:
+            return  # handled already (by the load made right after it, see _take_next)
+        state.waiters.remove(result)
+        if state.latest is not None and state.latest[0] is result:
+            state.latest = None
         if not payload.done() and state.next_index == index + 1:
             payload.cancel()
             state.next_index = index

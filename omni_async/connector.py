@@ -355,8 +355,11 @@ class UcxConnector(Connector):
         if source is not None and source in self._gone:
             future.set_exception(PeerLost(f"peer {source!r} left before {key!r} arrived"))
             return future
-        if key in self._waiters:
-            raise ValueError(f"somebody already waits for {key!r}")
+        entry = self._waiters.get(key)
+        if entry is not None:
+            if not entry[0].done():
+                raise ValueError(f"somebody already waits for {key!r}")
+            del self._waiters[key]  # given up (cancelled) a moment ago: its withdrawal is still queued
         withdraw = partial(self._withdraw, key)
         self._waiters[key] = (future, source, withdraw)
         future.add_done_callback(withdraw)  # the owner may cancel it

@@ -555,3 +555,29 @@ async def test_a_service_close_cut_short_goes_on_and_the_next_close_waits_for_it
         await asyncio.wait_for(tx.close(), 0.1)
     await asyncio.wait_for(tx.close(), 10)
     assert isinstance(save.exception(), ClosedError) and tx.agent._closed
+
+
+
+@pytest.mark.parametrize("gives_up", ["timeout", "cancel"])
+async def test_a_load_given_up_and_made_again_at_once_asks_for_the_same_chunk(make_service, gives_up):
+    """A load abandoned (a timeout around it, or its future cancelled) and made again at once,
+    before the abandoned one's callbacks ran: the new load asks for the same chunk, which
+    arrives (it raised ValueError "somebody already waits", or failed the request as
+    abandoned out of order)."""
+    tx = await make_service("tx")
+    rx = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    sender = tx.adapter("st", peer_id="rx")
+    receiver = rx.adapter("st", source="tx")
+    if gives_up == "timeout":
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await receiver.load("r")
+        again = receiver.load_async("r")  # at once, as a retry loop does
+    else:
+        abandoned = receiver.load_async("r")
+        abandoned.cancel()
+        again = receiver.load_async("r")
+    await asyncio.wait_for(sender.save("r", {"i": 0}, final=True), 5)
+    chunk = await asyncio.wait_for(again, 5)
+    assert chunk.index == 0 and chunk.data == {"i": 0}
