@@ -199,3 +199,27 @@ async def test_region_set_writes_to_another_process_and_its_kill(make_set_agent,
     await asyncio.wait_for(a.connect(other.control_address), 5)
     await asyncio.wait_for(a.write_blocks("other", [1], [2]), 5)
     assert np.array_equal(other.regions.arrays[0][2], a.regions.arrays[0][1])
+
+
+
+def test_a_registration_unmaps_every_region_even_if_one_unmap_fails(monkeypatch):
+    """An unmap UCX refuses (fault injection around the real one, first call) is raised, but
+    only after every other region of the set was unmapped (the later ones leaked)."""
+    from omni_async.transport import rma
+    from omni_async.transport.lane import new_context
+
+    context = new_context("tcp", "lo")
+    registration = rma.Registration(context, [np.zeros((4, 4096), np.uint8) for _ in range(3)])
+    real, calls = rma._rma().mem_unmap, []
+
+    def refuse_first(ctx, handle):
+        calls.append(handle)
+        return -1 if len(calls) == 1 else real(ctx, handle)  # UCS_ERR_NO_MESSAGE for the first
+
+    monkeypatch.setattr(rma._rma(), "mem_unmap", refuse_first)
+    with pytest.raises(OSError):
+        registration.close()
+    assert len(calls) == 3  # the two others were unmapped
+    registration.close()  # idempotent: nothing left
+    assert len(calls) == 3
+    real(context.handle, calls[0])  # (the refused one, for real, so nothing leaks here)

@@ -94,12 +94,16 @@ class Registration:
         """The packed remote key of each region, for the peers' :meth:`~.lane.Lane.unpack_keys`."""
 
     def close(self) -> None:
-        """Unmap the regions (idempotent).  Only once no peer's lane can put into them."""
+        """Unmap the regions (idempotent).  Only once no peer's lane can put into them.  Every
+        region is unmapped even if one fails (then the first failure is raised after)."""
         handles, self._handles = self._handles, []
+        failed = UCS_OK
         for handle in handles:
             code = _rma().mem_unmap(self._context.handle, handle)
-            if code != UCS_OK:  # nothing to undo: UCX keeps nothing of a failed unmap
-                raise error(code)
+            if code != UCS_OK and failed == UCS_OK:  # nothing to undo: UCX keeps nothing of a failed unmap
+                failed = code
+        if failed != UCS_OK:
+            raise error(failed)
 
 
 def _map(context: int, address: int, length: int) -> int:
