@@ -103,6 +103,8 @@ class Agent(Startable):
         self.metrics.heartbeat_timeout = self.config.heartbeat_timeout
         try:
             await self._transport.warm_up()
+            if self._closed:  # closed meanwhile (its close() tore down what start() made)
+                raise ClosedError("agent closed while starting")
             await self._control.start()
             if self.config.metrics_port:
                 serve_metrics(self.config.metrics_port, self.config.host)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from .errors import ConfigError
-from .wire import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WRITE_BLOCKS, MAX_NOTICE_BYTES
+from .wire import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WRITE_BLOCKS, MAX_NOTICE_BYTES, MAX_PEER_ID
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -55,7 +55,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Settings of one agent (control plane + UCX transport)."""
 
     peer_id: str = ""
-    """This side's unique id; empty picks ``host-pid-random``."""
+    """This side's unique id (at most 256 characters); empty picks ``host-pid-random``."""
     host: str = "127.0.0.1"
     """Interface the control plane binds (``0.0.0.0`` for all)."""
     port: Port = 0
@@ -120,6 +120,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     Off on either side means tag messages between the two (no offer is made or taken)."""
 
     def __post_init__(self) -> None:
+        if len(self.peer_id) > MAX_PEER_ID:  # (else every handshake would time out: the peer cannot decode it)
+            raise ConfigError(f"peer_id of {len(self.peer_id)} characters exceeds {MAX_PEER_ID}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "

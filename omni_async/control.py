@@ -130,7 +130,10 @@ class ControlPlane:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
-        """Bind the ROUTER and start the receive and heartbeat tasks; return the address."""
+        """Bind the ROUTER and start the receive and heartbeat tasks; return the address.
+        Raises :class:`ClosedError` once closed."""
+        if self._closed:
+            raise ClosedError("control plane is closed")
         router = self._socket(zmq.ROUTER)
         if self._public_key is not None:
             self._gate = CurveGate(self._ctx, frozenset(self.config.curve_allowed_keys))
@@ -213,6 +216,13 @@ class ControlPlane:
                 raise HandshakeTimeout(
                     f"no answer from {address} within {self.config.handshake_timeout}s"
                 ) from None
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._closed and (task is None or not task.cancelling()):
+                    # Our close destroyed the socket's context, which cancels its pending
+                    # receive: nobody cancelled the caller, who must hear why.
+                    raise ClosedError("control plane closed during the handshake") from None
+                raise
             msg = decode_control(reply)
             if isinstance(msg, Reject):
                 hello_sent = False  # refused: the far side keeps nothing

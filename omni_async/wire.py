@@ -25,8 +25,10 @@ T = TypeVar("T")
 PROTOCOL_VERSION: Final = 4
 
 # -- limits ---------------------------------------------------------------------------------
-MAX_CONTROL_BYTES: Final = 16 * 1024
-"""Largest control message accepted from ZeroMQ."""
+MAX_CONTROL_BYTES: Final = 64 * 1024
+"""Largest control message accepted from ZeroMQ: above the largest :class:`Hello` the bounds
+below allow (~30 KiB: 255 layers, each with a region share; a 16 KiB bound made a region set
+of 255 wrapped regions unable to join: ZeroMQ dropped its Hello)."""
 MAX_METADATA_BYTES: Final = 4096
 """Largest agent metadata (a UCX worker address is ~100-200 bytes)."""
 MAX_PEER_ID: Final = 256

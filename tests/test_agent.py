@@ -8,6 +8,8 @@ import zmq
 import zmq.asyncio
 
 from omni_async import (
+    Agent,
+    BlockRegion,
     ClosedError,
     DeadlineExceeded,
     FingerprintMismatch,
@@ -23,7 +25,7 @@ from omni_async import (
 from omni_async.control import end_monitor
 from omni_async.wire import Hello, Reject, decode_control, encode_control
 
-from .conftest import leftover_tasks
+from .conftest import fast_config, leftover_tasks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -441,3 +443,38 @@ async def test_many_concurrent_large_messages_stay_within_the_receivers_bounds(m
     await asyncio.wait_for(asyncio.gather(*transfers), 30)
     assert sorted(got) == sorted(i % 256 for i in range(count))
     assert set(a.peers) == {"b"} and set(b.peers) == {"a"}
+
+
+
+async def test_close_during_connect_fails_it_with_closed_error(make_agent):
+    """``connect()`` waits for a Welcome (the far side, a bare ROUTER, never answers) while the
+    agent closes: the caller, whom nobody cancelled, gets ClosedError (it ended as cancelled:
+    the close destroyed the socket, which cancelled its pending receive)."""
+    a = await make_agent(peer_id="a", handshake_timeout=10.0)
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        connecting = asyncio.ensure_future(a.connect(f"tcp://127.0.0.1:{port}"))
+        await asyncio.wait_for(router.recv_multipart(), 5)  # the Hello came: connect() waits
+        await asyncio.wait_for(a.close(), 10)
+        with pytest.raises(ClosedError):
+            await asyncio.wait_for(connecting, 5)
+    finally:
+        router.close(0)
+        ctx.term()
+
+
+async def test_close_during_start_fails_it_with_closed_error():
+    """``close()`` while ``start()`` warms up (an application shut down during start-up):
+    ``start()`` raises ClosedError and nothing is left running (it raised a raw ZMQError: the
+    control plane was started on the context the close had destroyed)."""
+    agent = Agent(BlockRegion.allocate(64, 4096), fast_config(peer_id="s"))
+    starting = asyncio.ensure_future(agent.start())
+    await asyncio.sleep(0)  # start() now awaits the transport's warm-up
+    await asyncio.wait_for(agent.close(), 10)
+    with pytest.raises(ClosedError):
+        await asyncio.wait_for(starting, 10)
+    await agent.close()
+    assert not leftover_tasks()

@@ -104,3 +104,14 @@ async def test_agent_refuses_to_start_under_a_different_ucx_tls(monkeypatch):
     with pytest.raises(ConfigError, match="ucx_tls"):
         await agent.start()
     await agent.close()
+
+
+
+def test_a_peer_id_longer_than_the_wire_carries_is_refused():
+    """A peer id over 256 characters is refused when configured (it was accepted, and then
+    every handshake timed out: the peer could not decode the Hello)."""
+    from omni_async.wire import MAX_PEER_ID
+
+    assert AgentConfig(peer_id="p" * MAX_PEER_ID).peer_id == "p" * MAX_PEER_ID
+    with pytest.raises(ConfigError, match="peer_id"):
+        AgentConfig(peer_id="p" * (MAX_PEER_ID + 1))

@@ -236,3 +236,36 @@ def test_the_largest_shared_pool_the_config_allows_is_a_valid_offer():
     offer = RingOffer(pid=1234, fd=5, token=secrets.token_hex(16), wake_fd=6, capacity=8 << 20,
                       pool=shared_pool_bytes(mib))
     assert decode_framed(encode_header(offer))[0] == offer
+
+
+
+def test_the_largest_hello_the_bounds_allow_fits_a_control_message():
+    """A Hello (and a Welcome) at every bound of its fields (metadata, ids, 255 layers each
+    with a region share, integers of nine bytes where the region's bounds allow) encodes within ``MAX_CONTROL_BYTES`` and
+    decodes back (16 KiB did not hold it: a set of 255 wrapped regions could not join)."""
+    from omni_async.wire import (
+        MAX_CONTROL_BYTES,
+        MAX_LAYERS,
+        MAX_METADATA_BYTES,
+        MAX_NOTICE_BYTES,
+        MAX_PEER_ID,
+        Layer,
+        RegionShare,
+    )
+
+    big = (1 << 63) - 1
+    share = RegionShare(pid=(1 << 31) - 1, fd=(1 << 31) - 1, token="f" * 32, proof_addr=big, inode=big,
+                        offset=big, proof_fd=(1 << 31) - 1)
+    fields = {
+        "version": PROTOCOL_VERSION, "peer_id": "p" * MAX_PEER_ID, "nonce": big,
+        "agent_metadata": b"\xff" * MAX_METADATA_BYTES, "base_addr": 1 << 46, "num_blocks": 1 << 33,
+        "block_len": 1 << 28,  # (the largest region the 63-bit address space holds, roughly)
+        "fingerprint": "f" * 64, "host_id": "h" * 128, "max_write_blocks": big, "max_message_bytes": big,
+        "region_share": share, "max_notice_bytes": MAX_NOTICE_BYTES, "allow_reads": True,
+        "layers": [Layer(base_addr=1 << 46, block_len=1 << 28, region_share=share)] * (MAX_LAYERS - 1),
+    }
+    for kind in (Hello, Welcome):
+        msg = kind(**fields)
+        data = encode_control(msg)
+        assert len(data) <= MAX_CONTROL_BYTES, (kind.__name__, len(data))
+        assert decode_control(data) == msg
