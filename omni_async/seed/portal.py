@@ -285,7 +285,10 @@ class Portal:
         boxed = _boxed(coro)
         with self._lease:
             if not self._ended:
-                return asyncio.run_coroutine_threadsafe(boxed, self.loop)
+                try:
+                    return asyncio.run_coroutine_threadsafe(boxed, self.loop)
+                except RuntimeError:  # the loop closed (its thread ended without a stop)
+                    pass
         boxed.close()
         coro.close()
         raise ClosedError(f"{self.owner} is closed")
