@@ -9,6 +9,7 @@ refreshes the terminal in place (or prints one JSON snapshot with ``once``).
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import time
@@ -250,7 +251,8 @@ def fetch(url: str) -> str:
 def _scrape(url: str) -> Scrape:
     try:
         return parse(fetch(url), time.monotonic())
-    except (urllib.error.URLError, ValueError, UnicodeDecodeError) as exc:
+    except (urllib.error.URLError, http.client.HTTPException, ValueError, UnicodeDecodeError) as exc:
+        # (HTTPException: a port that is no number, or one that does not speak HTTP)
         raise OSError(f"{url}: {getattr(exc, 'reason', exc)}") from None
 
 

@@ -236,3 +236,28 @@ def test_send_refuses_requests_without_chunks() -> None:
     """A request of zero chunks has no final chunk, so its receiver could only wait for a stall."""
     result = omni("send", "tcp://127.0.0.1:1", "--chunks", "0")
     assert result.returncode == 2 and "must be >= 1" in result.stderr
+
+
+
+def test_bad_input_is_an_error_and_an_exit_status_never_a_traceback(tmp_path: Path) -> None:
+    """A scrape target whose port is no number, ``config docs --write`` to a missing file or to
+    one without the reference's markers, ``recv`` on a port another socket holds: each prints
+    why and exits nonzero (each ended in a traceback)."""
+    import socket
+
+    plain = tmp_path / "plain.md"
+    plain.write_text("no markers here\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        results = omni_many(
+            (("top", "--once", "--interval", "0.1", "localhost:abc"), None),
+            (("config", "docs", "--write", str(tmp_path / "missing.md")), None),
+            (("config", "docs", "--write", str(plain)), None),
+            (("recv", "--port", str(port), "--duration", "2"), None),
+        )
+    for result, says in zip(results, ("abc", "No such file", "BEGIN omni-async config docs", "recv failed"), strict=True):
+        assert result.returncode != 0, result.args
+        assert "Traceback" not in result.stderr, result.stderr[-600:]
+        assert says in result.stderr, (result.args, result.stderr[-600:])

@@ -349,3 +349,23 @@ async def test_a_service_starts_and_closes_cleanly_while_etcd_is_unreachable(
     assert await asyncio.wait_for(a.agent.connect(b.control_address), 10) == "b"  # the agent works as ever
     said = [r.getMessage() for r in caplog.records if r.name == "omni_async.discovery.etcd"]
     assert len(said) == 1 and said[0].startswith("discovery: a cannot reach etcd at 127.0.0.1:1"), said
+
+
+
+async def test_wait_online_ends_with_closed_error_when_discovery_closes(make_service) -> None:
+    """``wait_online()`` without a timeout (as the docs show it) while etcd is unreachable: the
+    service's close ends it with ClosedError, and a call after the close raises at once (both
+    waited for ever)."""
+    from omni_async import ClosedError
+
+    service = await make_service("a", discovery={"etcd": ["127.0.0.1:1"], "retry_interval": 0.05, "ttl": 2})
+    discovery = service.discovery
+    assert discovery is not None
+    waiter = asyncio.ensure_future(discovery.wait_online())
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    await asyncio.wait_for(service.close(), 20)
+    with pytest.raises(ClosedError):
+        await asyncio.wait_for(waiter, 5)
+    with pytest.raises(ClosedError):
+        await asyncio.wait_for(discovery.wait_online(), 5)

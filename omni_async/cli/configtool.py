@@ -258,7 +258,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 def cmd_config_docs(args: argparse.Namespace) -> int:
     if args.write:
-        changed = write_reference(Path(args.write))
+        try:
+            changed = write_reference(Path(args.write))
+        except (OSError, ValueError) as exc:  # no such file, or not one with the reference's markers
+            err(f"config docs --write {args.write}: {exc}")
+            return EXIT_FAILED
         print(f"{args.write}: {'updated' if changed else 'already current'}", file=sys.stderr)
     else:
         sys.stdout.write(config_reference())

@@ -62,14 +62,20 @@ class _Session(msgspec.Struct, forbid_unknown_fields=False):
 
 
 def cmd_recv(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
+    import zmq
+
+    from ..errors import ConfigError, OmniAsyncError
 
     try:
         config = service_config(args, peer_id=args.peer_id, host=args.host, port=args.port)
     except ConfigError as exc:
         err(f"config error: {exc}")
         return EXIT_FAILED
-    return run_async(_recv(args, config))
+    try:
+        return run_async(_recv(args, config))
+    except (OmniAsyncError, OSError, zmq.ZMQError) as exc:  # e.g. the port is taken, the host not ours
+        err(f"recv failed: {type(exc).__name__}: {exc}")
+        return EXIT_FAILED
 
 
 async def _recv(args: argparse.Namespace, config: Any) -> int:

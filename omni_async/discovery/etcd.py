@@ -62,6 +62,7 @@ class Discovery(Startable):
             frozenset(agent.config.curve_allowed_keys) if agent.config.curve_secret_key else None
         )
         self._online = asyncio.Event()
+        self._closing = asyncio.Event()  # set by close(): wait_online() ends
         self._wake = asyncio.Event()
         self._stale: dict[str, int | None] = {}
         """Peers whose card vanished or changed → the handshake nonce of the incarnation joined
@@ -100,6 +101,7 @@ class Discovery(Startable):
             return
         self._closed = True
         self._online.clear()
+        self._closing.set()
         tasks = [*self._tasks, *self._dialing.values()]
         for task in tasks:
             task.cancel()
@@ -124,9 +126,21 @@ class Discovery(Startable):
         return dict(self._membership.cards)
 
     async def wait_online(self, timeout: float | None = None) -> None:
-        """Wait until the card is published and the group listed (TimeoutError after ``timeout``)."""
-        async with asyncio.timeout(timeout):
-            await self._online.wait()
+        """Wait until the card is published and the group listed (TimeoutError after ``timeout``;
+        :class:`ClosedError` once closed, also while it waits)."""
+        if self._closed:
+            raise ClosedError("discovery is closed")
+        online = asyncio.ensure_future(self._online.wait())
+        closed = asyncio.ensure_future(self._closing.wait())
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.wait((online, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (online, closed):
+                waiter.cancel()
+            await asyncio.gather(online, closed, return_exceptions=True)
+        if not online.done() or online.cancelled():
+            raise ClosedError("discovery closed while waiting to be online")
 
     # -- the etcd session ------------------------------------------------------------------------
     async def _run(self) -> None:
