@@ -253,6 +253,22 @@ async def test_bad_remote_keys_drop_the_peer(make_agent, keys):
     await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
 
 
+async def test_a_key_offer_on_a_removed_peers_draining_lane_starts_no_vetting(make_agent):
+    """A remote key offer handled on a removed peer's lane (it drains: headers still come) starts
+    no key vetting: nothing would write to that peer, and the task outlived the agent's close."""
+    from omni_async.wire import RkeyOffer
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", ucx_tls="tcp")
+    async with Rogue.join(b.control_address, tls="tcp") as rogue:
+        assert rogue is not None
+        link = b.transport.links["rogue"]
+        await asyncio.wait_for(b.remove_peer("rogue"), 5)
+        b.transport._on_rkey_offer(link, RkeyOffer([b"\x00" * 9]))  # as when it comes now
+        assert link.keying is None
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "omni-rkeys-rogue" and not t.done()]
+
+
 @pytest.mark.parametrize("flood", ["messages", "writes"])
 async def test_announced_payloads_that_never_come_are_bounded(make_agent, flood):
     """Headers whose payloads never come: the receiver drops the peer at its bounds (chunk

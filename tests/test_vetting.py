@@ -149,3 +149,65 @@ async def test_remote_keys_are_unpacked_in_the_child_first():
         await lane.wait_closed()
         registration.close()
         registration.close()  # idempotent
+
+
+
+async def test_a_vetting_child_that_dies_is_no_verdict_on_the_address():
+    """The zygote dies (SIGKILL, as by the OOM killer) while a check waits for it to fork a
+    server: the check has no verdict (NotVetted: not the address's fault) and a later check
+    vets the address with a restarted zygote.  (It refused the good address as unusable,
+    ProtocolError: a handshake rejected, or a healthy peer's keys dropping it.)"""
+    import os
+    import signal
+
+    loop = asyncio.get_running_loop()
+    vetter = AddressVetter("^cma", "lo", workers=1)
+    good = real_address()
+    try:
+        await loop.run_in_executor(None, vetter.warm_up)
+        zygote = vetter._zygote
+        assert zygote is not None and zygote.poll() is None
+        os.kill(zygote.pid, signal.SIGSTOP)  # the fork request stays queued in its socket
+        check = asyncio.ensure_future(vetter.check(good, timeout=10))
+        await asyncio.sleep(0.3)
+        assert not check.done()
+        os.kill(zygote.pid, signal.SIGKILL)
+        with pytest.raises(NotVetted, match="could not be started"):
+            await asyncio.wait_for(check, 15)
+        await vetter.check(good, timeout=10)  # a fresh zygote vets it
+    finally:
+        await loop.run_in_executor(None, vetter.close)
+
+
+
+async def test_a_stopped_vetting_child_cannot_hold_the_vetter():
+    """The zygote stops (SIGSTOP) and fork requests pile up unread until its socket is full: a
+    request then gives up after ``DEADLINE`` and the zygote is replaced, so ``close()`` returns.
+    (One executor thread blocked in ``send_fds`` for good, holding the
+    zygote's lock: every later request and ``close()``, which atexit runs, waited for ever.)"""
+    import contextlib
+    import os
+    import signal
+    import threading
+
+    loop = asyncio.get_running_loop()
+    vetter = AddressVetter("^cma", "lo", workers=64, max_pending=4096)
+    good = real_address()
+    await loop.run_in_executor(None, vetter.warm_up)
+    zygote = vetter._zygote
+    assert zygote is not None
+    os.kill(zygote.pid, signal.SIGSTOP)
+    try:
+        for _ in range(20):
+            await asyncio.gather(*(vetter.check(good, timeout=0.2) for _ in range(64)), return_exceptions=True)
+        closed = threading.Event()
+        threading.Thread(target=lambda: (vetter.close(), closed.set()), daemon=True).start()
+        for _ in range(100):  # (not to_thread: the default executor is what may be stuck)
+            if closed.is_set():
+                break
+            await asyncio.sleep(0.1)
+        assert closed.is_set(), "vetter.close() blocked behind a request to the stopped zygote"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(zygote.pid, signal.SIGKILL)
+        await loop.run_in_executor(None, vetter.close)

@@ -138,9 +138,13 @@ class Peers(TransportCore):
         link.lane.send(encode_header(RkeyOffer(list(self._registration.keys))), HEADER_TAG, ignore)
 
     def _on_rkey_offer(self, link: PeerLink, offer: RkeyOffer) -> None:
-        """The peer offers puts into its regions: vet its keys in a child, then unpack them."""
+        """The peer offers puts into its regions: vet its keys in a child, then unpack them.
+        Not on a removed peer's draining lane (nothing will write to it; the vetting task would
+        outlive the transport's close)."""
         if not self.config.ucx_puts:
             return  # puts are off here: writes to the peer go as tag messages
+        if self._closed or self._links.get(link.peer.peer_id) is not link:
+            return
         if link.gather or link.remote_keys is not None or link.keying is not None:
             log.warning("ignored a remote key offer from %s (a same-host link, or a second one)", link.peer.peer_id)
             return

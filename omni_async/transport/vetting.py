@@ -86,9 +86,11 @@ class AddressVetter:
     async def check(self, address: bytes, timeout: float = DEADLINE, *, keys: Sequence[bytes] = ()) -> None:
         """Return if a UCX endpoint can be created from ``address`` (and, with ``keys``, each
         packed remote key unpacked on it: :mod:`.rma`); else raise ProtocolError (unusable),
-        or its :class:`NotVetted` (not vetted within ``timeout`` seconds, or too many checks
-        waiting)."""
+        or its :class:`NotVetted` (not vetted within ``timeout`` seconds, too many checks
+        waiting, or no vetting child could be started: our failure, not the address's)."""
         verdict: bool | None = None
+        what = "remote keys" if keys else f"a {len(address)}-byte agent metadata"
+        unvetted = f"{'were' if keys else 'was'} not vetted within {timeout}s"
         try:
             async with asyncio.timeout(timeout):
                 await self._acquire()
@@ -98,13 +100,15 @@ class AddressVetter:
                     self._release()
         except TimeoutError:
             log.warning("vetting a %d-byte peer address did not finish within %ss", len(address), timeout)
+        except OSError as exc:  # (from _new_server: the zygote or a fresh server failed)
+            log.warning("address vetting child could not be started: %r", exc)
+            unvetted = f"{'were' if keys else 'was'} not vetted: the vetting child could not be started ({exc})"
         if not verdict:
             with self._lock:
                 self.refused += 1
-            what = "remote keys" if keys else f"a {len(address)}-byte agent metadata"
             why = "are not usable UCX remote keys" if keys else "is not a usable UCX worker address"
             if verdict is None:
-                why = f"{'were' if keys else 'was'} not vetted within {timeout}s"
+                why = unvetted
             raise (NotVetted if verdict is None else ProtocolError)(f"{what} {why}")
 
     @property
@@ -187,24 +191,24 @@ class AddressVetter:
         return bool(verdict)
 
     async def _vet_on(self, server: socket.socket | None, address: bytes, keys: bytes) -> bool | None:
-        """The verdict of ``server`` (None: fork a fresh one), or None if it died or failed."""
+        """The verdict of ``server`` (None: fork a fresh one), or None if it died or failed
+        with the address.  Raises :class:`OSError` if no fresh server could be started (the
+        zygote's failure: no verdict on the address)."""
         loop = asyncio.get_running_loop()
+        if server is None:
+            server = await self._new_server()
         try:
-            if server is None:
-                server = await self._new_server()
             await loop.sock_sendall(server, REQUEST.pack(len(address), len(keys)) + address + keys)
             answer = await loop.sock_recv(server, 1)
         except OSError as exc:
             log.warning("address vetting child failed: %r", exc)
             answer = b""
         except BaseException:  # timed out or cancelled mid-exchange: the server's state is unknown
-            if server is not None:
-                with self._lock:
-                    self._checks.pop(server, None)
-                server.close()
+            with self._lock:
+                self._checks.pop(server, None)
+            server.close()
             raise
         if answer in (OK, BAD):
-            assert server is not None
             with self._lock:
                 checks = self._checks[server] = self._checks.get(server, 0) + 1
                 if checks < SERVER_CHECKS:
@@ -213,10 +217,9 @@ class AddressVetter:
                     del self._checks[server]
                     server.close()
             return answer == OK
-        if server is not None:
-            with self._lock:
-                self._checks.pop(server, None)
-            server.close()
+        with self._lock:
+            self._checks.pop(server, None)
+        server.close()
         return None
 
     async def _new_server(self) -> socket.socket:
@@ -232,7 +235,11 @@ class AddressVetter:
         def ask_zygote() -> None:  # owns ``theirs``: the forked server has its own copy
             try:
                 with self._zygote_start:
-                    socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
+                    try:
+                        socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
+                    except TimeoutError:  # it takes no requests (stopped, hung): the next one restarts it
+                        self._stop_zygote()
+                        raise OSError("the address vetting child takes no requests") from None
             finally:
                 theirs.close()
 
@@ -240,7 +247,9 @@ class AddressVetter:
             # Shielded: a check that gives up meanwhile lets the request finish in its thread
             # (closing ``theirs`` under it could hand the zygote a reused descriptor); the
             # server it forks then reads EOF on its socket and exits.
-            await asyncio.shield(loop.run_in_executor(None, ask_zygote))
+            request = loop.run_in_executor(None, ask_zygote)
+            request.add_done_callback(_retrieved)
+            await asyncio.shield(request)
             ours.setblocking(False)
             if await loop.sock_recv(ours, 1) != OK:
                 raise OSError("address vetting server failed to start")
@@ -269,6 +278,7 @@ class AddressVetter:
                 )
             finally:
                 theirs.close()
+            ours.settimeout(DEADLINE)  # a send to a zygote that reads nothing gives up (ask_zygote)
             self._zygote, self._zygote_sock = zygote, ours
             assert zygote.stdout is not None
             started, _, _ = select.select([zygote.stdout], [], [], _START_TIMEOUT)
@@ -287,6 +297,13 @@ class AddressVetter:
             zygote.wait()
             if zygote.stdout is not None:
                 zygote.stdout.close()
+
+
+def _retrieved(request: asyncio.Future[None]) -> None:
+    """Done callback of a request to the zygote: its failure is logged, also when the check that
+    made it gave up first and nobody awaits it (else an unretrieved exception)."""
+    if not request.cancelled() and request.exception() is not None:
+        log.warning("a request to the address vetting child failed: %r", request.exception())
 
 
 _vetters: dict[tuple[str, str], AddressVetter] = {}
