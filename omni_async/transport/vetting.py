@@ -240,6 +240,9 @@ class AddressVetter:
                     except TimeoutError:  # it takes no requests (stopped, hung): the next one restarts it
                         self._stop_zygote()
                         raise OSError("the address vetting child takes no requests") from None
+                    except ConnectionError:  # it died (its end closes before it can be reaped): a new one
+                        self._stop_zygote()
+                        socket.send_fds(self._zygote_socket(), [b"s"], [theirs.fileno()])
             finally:
                 theirs.close()
 
