@@ -53,6 +53,7 @@ from .wire import (
     Hello,
     Reject,
     Welcome,
+    bounded_reason,
     decode_control,
     encode_control,
 )
@@ -233,7 +234,7 @@ class ControlPlane:
             self._check_owner(msg.peer_id, server_key)
         except BaseException as exc:
             if hello_sent:  # the far side may have admitted us: tell it we gave up
-                _send_now(dealer, encode_control(Bye(reason=f"handshake abandoned: {_describe(exc)}")))
+                _send_now(dealer, encode_control(Bye(reason=bounded_reason(f"handshake abandoned: {_describe(exc)}"))))
             dealer.close(linger=_LINGER_MS)
             raise
         log.info("handshake with %s at %s done", msg.peer_id, address)
@@ -266,7 +267,7 @@ class ControlPlane:
         No await, so it also runs in a cancelled task.  ``lost`` is not called.
         """
         if goodbye is not None:
-            self._send_nowait(peer, encode_control(Bye(reason=goodbye)))
+            self._send_nowait(peer, encode_control(Bye(reason=bounded_reason(goodbye))))
         if self._peers.get(peer.info.peer_id) is peer:
             self._drop(peer.info.peer_id)
         elif peer.dealer is not None:

@@ -34,6 +34,7 @@ from .wire import (
     RegionShare,
     Reject,
     Welcome,
+    bounded_reason,
 )
 
 H = TypeVar("H", bound=Hello)
@@ -157,7 +158,7 @@ def check_peer(local: LocalIdentity, remote: Hello) -> None:
 
 def reject_for(error: HandshakeRejected) -> Reject:
     """The message that tells the peer why it was refused."""
-    return Reject(code=error.code, reason=str(error))
+    return Reject(code=error.code, reason=bounded_reason(str(error)))
 
 
 def rejection_error(msg: Reject) -> HandshakeRejected:

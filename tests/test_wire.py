@@ -269,3 +269,20 @@ def test_the_largest_hello_the_bounds_allow_fits_a_control_message():
         data = encode_control(msg)
         assert len(data) <= MAX_CONTROL_BYTES, (kind.__name__, len(data))
         assert decode_control(data) == msg
+
+
+
+def test_reasons_longer_than_the_wire_allows_are_cut_not_made_undecodable():
+    """A rejection or goodbye whose reason is built from a long text (a peer id full of
+    characters ``repr`` expands, a long error) is cut to ``MAX_REASON``: the peer decodes it
+    (msgspec checks the bound only on decode: the whole message was undecodable, and the peer
+    saw a ProtocolError instead of the typed rejection)."""
+    from omni_async.errors import HandshakeRejected
+    from omni_async.handshake import reject_for
+    from omni_async.wire import MAX_REASON, bounded_reason
+
+    long = repr("\x00" * 400)  # 1,602 characters
+    for msg in (reject_for(HandshakeRejected(f"peer {long} refused")), Bye(reason=bounded_reason(long))):
+        decoded = decode_control(encode_control(msg))
+        assert len(decoded.reason) == MAX_REASON and decoded.reason.endswith("…")
+    assert bounded_reason("short") == "short"
