@@ -198,7 +198,7 @@ async def test_a_stopped_vetting_child_cannot_hold_the_vetter():
     assert zygote is not None
     os.kill(zygote.pid, signal.SIGSTOP)
     try:
-        for _ in range(20):
+        for _ in range(8):
             await asyncio.gather(*(vetter.check(good, timeout=0.2) for _ in range(64)), return_exceptions=True)
         closed = threading.Event()
         threading.Thread(target=lambda: (vetter.close(), closed.set()), daemon=True).start()
