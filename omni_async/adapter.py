@@ -38,7 +38,7 @@ from .errors import (
     TransferCancelled,
     UnknownPeer,
 )
-from .lifecycle import log_failed_close
+from .lifecycle import close_task
 from .serde import Payload
 from .transport import Transfer
 
@@ -492,8 +492,7 @@ class TransferAdapter:
         the next call waits for it."""
         if self._close_task is None:
             self._closing = True
-            self._close_task = self._loop.create_task(self._close(), name=f"omni-adapter-close-{self.stage}")
-            self._close_task.add_done_callback(log_failed_close)
+            self._close_task = close_task(self._close(), f"omni-adapter-close-{self.stage}")
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:

@@ -272,6 +272,7 @@ class UcxConnector(Connector):
         encoded: list[_Encoded] = []
         for index, (key, payload) in enumerate(items):
             try:
+                check_key(key)  # a key the wire cannot carry fails its own put, never a batch
                 header, frames = self._encode(key, payload)
             except Exception as exc:
                 done(index, exc)
@@ -292,8 +293,7 @@ class UcxConnector(Connector):
     def _encode(self, key: str, payload: serde.Payload) -> tuple[bytes, list[Any]]:
         if self._closed:
             raise ClosedError("connector is closed")
-        check_key(key)  # (here: a key the wire cannot carry fails its own put, never a batch's)
-        if key.startswith(batch.RESERVED):
+        if type(key) is str and key.startswith(batch.RESERVED):
             raise ValueError(f"keys starting with {batch.RESERVED!r} are the connector's own: {key!r}")
         header, frames = serde.encode(payload)
         return self._signed(header, frames), frames
@@ -312,13 +312,7 @@ class UcxConnector(Connector):
         _report(index, partial(self.agent.send_message, peer_id, key, header, frames), done)
 
     def _send_batch(self, peer_id: str, items: list[_Encoded], done: PutDone) -> None:
-        try:
-            meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])
-        except Exception:  # (not expected: the items' keys were checked) each alone, for its own outcome
-            log.exception("a batch of %d payloads could not be encoded", len(items))
-            for item in items:
-                self._send_one(peer_id, item, done)
-            return
+        meta = batch.encode([batch.Item(key, header, len(frames)) for _, key, header, frames in items])
         meta = self._signed(meta, [])  # (each item's header carries the digest of its frames)
         try:
             transfer = self.agent.send_message(

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from typing import Self, TypeVar
+from collections.abc import Coroutine
+from typing import Any, Self, TypeVar
 
 from .errors import ClosedError
 
@@ -48,8 +49,16 @@ def started(part: T | None, owner: str) -> T:
     return part
 
 
-def log_failed_close(task: asyncio.Task[None]) -> None:
-    """Done callback of a task that closes an object (its ``close()`` callers wait for it
-    shielded): its failure is logged, so also when every caller was cancelled meanwhile."""
+def close_task(close: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """The task that runs an object's close to its end, once: its ``close()`` callers wait for
+    it shielded, so a caller cancelled (a timeout around it) does not cut the close short and
+    the next caller waits for the same task.  Its failure is logged, so also when every caller
+    was cancelled meanwhile."""
+    task = asyncio.get_running_loop().create_task(close, name=name)
+    task.add_done_callback(_log_failure)
+    return task
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("%s failed", task.get_name(), exc_info=task.exception())

@@ -15,7 +15,7 @@ from .agent import Agent
 from .config import AdapterOptions, ServiceConfig, load_config
 from .connector import Connector, create_connector
 from .errors import ClosedError, ConfigError
-from .lifecycle import Startable, log_failed_close, started
+from .lifecycle import Startable, close_task, started
 from .region import BlockRegion
 
 if TYPE_CHECKING:
@@ -99,8 +99,7 @@ class ConnectorService(Startable):
         the next call waits for it."""
         if self._close_task is None:
             self._closed = True
-            self._close_task = asyncio.get_running_loop().create_task(self._close(), name="omni-service-close")
-            self._close_task.add_done_callback(log_failed_close)
+            self._close_task = close_task(self._close(), "omni-service-close")
         await asyncio.shield(self._close_task)
 
     async def _close(self) -> None:

@@ -335,8 +335,8 @@ class BlockWrites(TransportCore):
         return True
 
     def _if_live(self, link: PeerLink, transfer_id: int, post: Callable[[], None]) -> None:
-        """Carry out ``post`` (a request of a split write) only while its transfer is not
-        settled.  The window hands out several requests at once; once one of them settled the
+        """Carry out ``post`` (a request of a split write, or one held by :meth:`_gate`) only
+        while its transfer is not settled.  The window hands out several requests at once; once one of them settled the
         transfer (a copy that failed; a cancel or deadline while they waited) the others are
         never sent (one sent after the transfer's ``Abort`` started a notice at the receiver
         that could never end, holding every later notice behind it): their window shares are
@@ -360,10 +360,7 @@ class BlockWrites(TransportCore):
         held = link.held
         while held and not (held[0][1] and link.lane_noticed):
             transfer_id, _ring, post = held.popleft()
-            if transfer_id in link.sent:
-                post()
-            else:  # settled while it waited: never sent, so never answered; free its share
-                carry_out(link.outbox.withdraw(transfer_id))
+            self._if_live(link, transfer_id, post)  # (settled while it waited: its share is freed)
 
     @staticmethod
     def _count_noticed(link: PeerLink, transfer_id: int, *, lane: bool) -> None:

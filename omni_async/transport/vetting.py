@@ -303,10 +303,11 @@ class AddressVetter:
 
 
 def _retrieved(request: asyncio.Future[None]) -> None:
-    """Done callback of a request to the zygote: its failure is logged, also when the check that
-    made it gave up first and nobody awaits it (else an unretrieved exception)."""
-    if not request.cancelled() and request.exception() is not None:
-        log.warning("a request to the address vetting child failed: %r", request.exception())
+    """Done callback of a request to the zygote: marks its failure retrieved.  The check that
+    made it reports it (:meth:`AddressVetter.check` logs why), or gave up first and reported
+    that; nobody else awaits it (else: "exception was never retrieved")."""
+    if not request.cancelled():
+        request.exception()
 
 
 _vetters: dict[tuple[str, str], AddressVetter] = {}
