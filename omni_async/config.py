@@ -242,7 +242,8 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     etcd: list[Annotated[str, msgspec.Meta(pattern=r"^(https?://)?[^\s/:]+:\d+$")]] = msgspec.field(
         default_factory=list
     )
-    """etcd v3 endpoints, ``host:port`` (tried in turn); empty: discovery off."""
+    """etcd v3 endpoints, ``host:port`` or ``http://host:port`` (tried in turn; plaintext: an
+    ``https://`` endpoint is refused, not dialled without TLS); empty: discovery off."""
     prefix: Annotated[str, msgspec.Meta(pattern=r"^/[^\s]*$")] = "/omni_async"
     """Key prefix; this agent's card is stored under ``{prefix}/{group}/{peer_id}``."""
     group: Annotated[str, msgspec.Meta(pattern=r"^[^/\s]+$")] = "default"
@@ -256,6 +257,17 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     retry_interval: PositiveSeconds = 1.0
     """Seconds between attempts to reach etcd after losing it, and between re-dials of a wanted
     peer that is not joined."""
+
+    def __post_init__(self) -> None:
+        for endpoint in self.etcd:
+            if endpoint.startswith("https://"):
+                raise ConfigError(
+                    f"etcd endpoint {endpoint!r}: discovery speaks plaintext gRPC and has no TLS; "
+                    "give host:port of an etcd reachable on a trusted network"
+                )
+            port = int(endpoint.rpartition(":")[2])
+            if not 0 < port < 65536:
+                raise ConfigError(f"etcd endpoint {endpoint!r}: port {port} is not within 1..65535")
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

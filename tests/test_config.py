@@ -115,3 +115,18 @@ def test_a_peer_id_longer_than_the_wire_carries_is_refused():
     assert AgentConfig(peer_id="p" * MAX_PEER_ID).peer_id == "p" * MAX_PEER_ID
     with pytest.raises(ConfigError, match="peer_id"):
         AgentConfig(peer_id="p" * (MAX_PEER_ID + 1))
+
+
+@pytest.mark.parametrize(
+    "endpoint,words",
+    [("https://etcd:2379", ["https://etcd:2379", "TLS"]), ("etcd:65536", ["65536", "1..65535"]), ("etcd:0", ["port 0"])],
+)
+def test_an_etcd_endpoint_discovery_cannot_dial_as_asked_is_refused(endpoint, words):
+    """An https endpoint was dialled in plaintext and an impossible port accepted (then every
+    session failed at run time): both refused when the configuration loads."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"discovery": {"etcd": [endpoint]}}, environ={}, schema=ServiceConfig)
+    for word in words:
+        assert word in str(info.value)
+    ok = load_config({"discovery": {"etcd": ["http://etcd:2379", "etcd:65535"]}}, environ={}, schema=ServiceConfig)
+    assert ok.discovery.etcd == ["http://etcd:2379", "etcd:65535"]
