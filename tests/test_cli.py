@@ -158,6 +158,18 @@ def test_config_check_names_the_bad_field_and_value(tmp_path: Path, name: str, t
     assert (report["ok"], report["field"], report["value"]) == (False, field, value)
 
 
+def test_config_check_never_shows_the_value_of_a_misspelled_secret_field(tmp_path: Path) -> None:
+    """The value of an unknown field was shown, also of ``curve_secret_kay`` (a secret key under
+    a misspelled name); such a field's value is redacted, its name still given."""
+    path = tmp_path / "typo.toml"
+    secret = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    path.write_text(f'[agent]\ncurve_secret_kay = "{secret}"\n')
+    human, as_json = omni_many((("config", "check", str(path)), None), (("config", "check", str(path), "--json"), None))
+    assert human.returncode == 1 and "agent.curve_secret_kay" in human.stderr
+    assert secret not in human.stderr + human.stdout and secret not in as_json.stdout
+    assert json.loads(as_json.stdout)["value"] == "<redacted>"
+
+
 def test_config_check_reports_env_values_and_unreadable_files(tmp_path: Path) -> None:
     env_error, missing = omni_many(
         (("config", "check", "--json"), environment(OMNI_ASYNC_AGENT__HEARTBEAT_TIMEOUT="soon")),

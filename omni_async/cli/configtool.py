@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import difflib
 import inspect
 import itertools
 import json
@@ -99,7 +100,7 @@ def explain_config_error(message: str, path: str | os.PathLike[str] | None,
     if not parts:
         return None, None
     field = ".".join(parts)
-    if parts[-1] in SECRET_FIELDS:
+    if parts[-1] in SECRET_FIELDS or (unknown and _may_be_secret(parts[-1])):
         return field, REDACTED
     env_name = ENV_PREFIX + "__".join(parts).upper()
     if env_name in environ:
@@ -114,6 +115,11 @@ def explain_config_error(message: str, path: str | os.PathLike[str] | None,
                 node = node[int(part)] if isinstance(node, list) else node[part]
             value = node
     return field, value
+
+
+def _may_be_secret(name: str) -> bool:
+    """Whether an unknown field's name may be a misspelled secret field (its value is not shown)."""
+    return "secret" in name.lower() or bool(difflib.get_close_matches(name, SECRET_FIELDS, n=1, cutoff=0.6))
 
 
 # -- the field reference (docs/configuration.md) -----------------------------------------------
