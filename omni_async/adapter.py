@@ -158,10 +158,11 @@ class TransferAdapter:
         else:
             self._next_save[request_id] = index + 1
         future: asyncio.Future[None] = self._loop.create_future()
+        alone = not self._unsettled  # no other save of ours in flight or queued
         self._unsettled.add(future)  # until _settle (no done callbacks: each would cost a loop hop)
         item = _Save(request_id, index, chunk, final, cancelled, future)
-        if not self._blocked and self._queue.empty() and self._take_share():
-            self._send(item)  # nothing ahead of it and room in the window: now, no loop hop
+        if alone and not self._blocked and self._queue.empty() and self._take_share():
+            self._send(item)  # nothing ahead of it, nothing in flight, room in the window: now, no loop hop
             return future
         self._queue.put_nowait(item)
         if self._save_task is None:
