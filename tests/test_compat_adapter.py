@@ -167,6 +167,17 @@ def test_cancel_by_the_sender_fails_the_receivers_load(pair):
         rx.load("req-g", timeout=DEADLINE_S)
 
 
+def test_a_request_cleaned_up_while_a_load_waits_is_not_reported_failed(pair):
+    """``cleanup`` empties the request's books, but the load it failed (``TransferCancelled``)
+    reported the request as a failed receive afterwards: the caller's own cleanup came back as
+    a failure."""
+    _, rx = pair
+    rx.load_async("req-gone")
+    rx.cleanup("req-gone")
+    time.sleep(0.1)
+    assert "req-gone" not in rx.collect_failed_receive_request_ids()
+
+
 def test_record_failures_are_drained_like_real_ones(pair):
     tx, rx = pair
     tx.record_send_failure(None, "ignored")
@@ -271,3 +282,28 @@ def test_a_scheduler_that_drains_without_sleeping_does_not_starve_the_loops(pair
         sys.setswitchinterval(previous)
     assert elapsed < 1.0, f"20 requests took {elapsed:.2f}s"
     assert tx.collect_failed_send_request_ids() == {} and rx.collect_failed_receive_request_ids() == {}
+
+
+def test_a_request_id_reused_after_cleanup_is_not_settled_by_the_old_requests_saves():
+    """Saves of a cleaned-up request that were still in flight settled against the book of a
+    new request under the same id: the old chunk's acknowledgement finished the new request
+    while its own final chunk was still unacknowledged (held back by the receiver)."""
+    rx = SyncTransferAdapter({**service_config("talker-reuse"),
+                              "connector": {"name": "ucx", "extra": {"max_buffered_bytes": 12 << 20}}},
+                             stage=STAGE, source="thinker-reuse")
+    tx = SyncTransferAdapter(service_config("thinker-reuse"), stage=STAGE)
+    try:
+        assert tx.connect(rx.control_address) == "talker-reuse"
+        big = 8 << 20  # (its acknowledgement takes a while: the cleanup and the next save come first)
+        tx.save_async("req-reuse", {"x": np.zeros(big, np.uint8)})  # acknowledged: fits the buffer
+        tx.cleanup("req-reuse")
+        tx.save_async("req-reuse", {"x": np.ones(big, np.uint8)}, final=True)  # held: the buffer is full
+        time.sleep(0.3)
+        assert tx.get_finished_requests() == set()  # its final chunk is not acknowledged yet
+        assert tx.collect_failed_send_request_ids() == {}
+        first, second = rx.load("req-reuse", timeout=DEADLINE_S), rx.load("req-reuse", timeout=DEADLINE_S)
+        assert (int(first.data["x"][0]), int(second.data["x"][0]), second.final) == (0, 1, True)
+        drain_finished(tx, {"req-reuse"})
+    finally:
+        tx.shutdown()
+        rx.shutdown()

@@ -63,6 +63,16 @@ class _SaveBook:
         self.failed = False  # a chunk failed: reported once, never finished
 
 
+class _LoadBook:
+    """Receive-side state of one request loaded with ``load_async``: its loads not yet settled
+    (loop thread writes, under the lock).  Gone once they settled, or the request was cleaned up."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+
 class _AdapterEngine:
     """The service and adapters on the portal's loop, and the books the facade drains.
 
@@ -78,6 +88,7 @@ class _AdapterEngine:
         self.destination = destination  # locked
         self.outstanding = 0  # locked: save_async / load_async calls not settled yet
         self.saves: dict[str, _SaveBook] = {}  # locked
+        self.loads: dict[str, _LoadBook] = {}  # locked
         self.finished: set[str] = set()  # locked
         self.failed_send: dict[str, str] = {}  # locked
         self.failed_recv: dict[str, str] = {}  # locked
@@ -154,15 +165,16 @@ class _AdapterEngine:
         try:
             future = self.outgoing().save_async(request_id, chunk, final=final)
         except (OmniAsyncError, ValueError, TypeError) as exc:
-            self.on_saved(request_id, exc)
+            self.on_saved(request_id, book, exc)
             return
-        future.add_done_callback(lambda f: self.on_saved(request_id, _outcome(f)))
+        future.add_done_callback(lambda f: self.on_saved(request_id, book, _outcome(f)))
 
-    def on_saved(self, request_id: str, error: BaseException | None) -> None:
+    def on_saved(self, request_id: str, book: _SaveBook, error: BaseException | None) -> None:
+        """A save settled: count it in the book it was made under (``book``), unless that
+        request was cleaned up meanwhile (a new request under the same id has its own book)."""
         with self.portal.lock:
             self.settled()
-            book = self.saves.get(request_id)
-            if book is None:  # cleaned up meanwhile
+            if self.saves.get(request_id) is not book:  # cleaned up meanwhile
                 return
             book.pending -= 1
             if error is not None and not book.failed:
@@ -174,18 +186,30 @@ class _AdapterEngine:
                     self.finished.add(request_id)
 
     def submit_load(self, request_id: str) -> None:
+        with self.portal.lock:
+            book = self.loads.setdefault(request_id, _LoadBook())
+            book.pending += 1
         try:
             future = self.incoming().load_async(request_id)
         except OmniAsyncError as exc:
-            self.on_loaded(request_id, None, exc)
+            self.on_loaded(request_id, book, None, exc)
             return
         future.add_done_callback(
-            lambda f: self.on_loaded(request_id, None if f.cancelled() or f.exception() else f.result(), _outcome(f))
+            lambda f: self.on_loaded(
+                request_id, book, None if f.cancelled() or f.exception() else f.result(), _outcome(f)
+            )
         )
 
-    def on_loaded(self, request_id: str, chunk: Chunk | None, error: BaseException | None) -> None:
+    def on_loaded(self, request_id: str, book: _LoadBook, chunk: Chunk | None, error: BaseException | None) -> None:
+        """A load settled: into the books, unless its request was cleaned up meanwhile (the
+        cleanup failed it: that is no failure to report)."""
         with self.portal.lock:
             self.settled()
+            if self.loads.get(request_id) is not book:
+                return
+            book.pending -= 1
+            if not book.pending:
+                del self.loads[request_id]
             if error is not None:
                 self.failed_recv.setdefault(request_id, _reason(error))
             elif chunk is not None:
@@ -201,6 +225,7 @@ class _AdapterEngine:
         """Drop the request from the books and from the adapters (``cancel``: tell the receiver)."""
         with self.portal.lock:
             self.saves.pop(request_id, None)
+            self.loads.pop(request_id, None)
             self.loaded.pop(request_id, None)
             self.finished.discard(request_id)
             self.failed_send.pop(request_id, None)
