@@ -115,7 +115,10 @@ class TransferAdapter:
         self.source = source
         self.options = options or AdapterOptions()
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[_Save] = asyncio.Queue()
+        self._queue: deque[_Save] = deque()
+        """Saves waiting for the save loop, in order."""
+        self._queued: asyncio.Future[None] | None = None
+        """Set while the save loop waits for a save to be queued (the next one resolves it)."""
         self._window = window if window is not None else asyncio.Semaphore(self.options.max_in_flight)
         self._next_save: dict[str, int] = {}
         self._unsettled: set[asyncio.Future[None]] = set()
@@ -161,10 +164,13 @@ class TransferAdapter:
         alone = not self._unsettled  # no other save of ours in flight or queued
         self._unsettled.add(future)  # until _settle (no done callbacks: each would cost a loop hop)
         item = _Save(request_id, index, chunk, final, cancelled, future)
-        if alone and not self._blocked and self._queue.empty() and self._take_share():
+        if alone and not self._blocked and not self._queue and self._take_share():
             self._send(item)  # nothing ahead of it, nothing in flight, room in the window: now, no loop hop
             return future
-        self._queue.put_nowait(item)
+        self._queue.append(item)
+        waiting = self._queued
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
         if self._save_task is None:
             self._save_task = self._loop.create_task(self._save_loop(), name=f"omni-adapter-save-{self.stage}")
             self._save_task.add_done_callback(self._save_loop_ended)
@@ -175,8 +181,16 @@ class TransferAdapter:
         (:attr:`_blocked` while one waits for the window, so later saves queue behind it).
         The saves queued behind it that the window has room for go with it, in one call of
         the connector's ``put_many_nowait`` (which may send them as one message)."""
+        queue = self._queue
         while True:
-            item = await self._queue.get()
+            if not queue:
+                self._queued = self._loop.create_future()
+                try:
+                    await self._queued
+                finally:
+                    self._queued = None
+                continue
+            item = queue.popleft()
             if not _acquire_nowait(self._window):
                 self._blocked = True
                 try:
@@ -184,8 +198,8 @@ class TransferAdapter:
                 finally:
                     self._blocked = False
             items = [item]
-            while len(items) < MAX_ITEMS and not self._queue.empty() and _acquire_nowait(self._window):
-                items.append(self._queue.get_nowait())
+            while len(items) < MAX_ITEMS and queue and _acquire_nowait(self._window):
+                items.append(queue.popleft())
             if len(items) == 1:
                 self._send(item)
             else:
