@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from omni_async import BlockRegion, ConfigError, LayoutMismatch, ProtocolError
+from omni_async import BlockRegion, ConfigError, LayoutMismatch, PeerLost, ProtocolError
 from omni_async.region import RegionSet
 from omni_async.wire import PROTOCOL_VERSION, Hello, Layer, decode_control, encode_control
 
@@ -92,6 +92,51 @@ async def test_a_block_index_moves_the_block_in_every_region(make_set_agent, lan
     await asyncio.wait_for(a.read_blocks("b", [3, 4, 50], [20, 21, 22]), 5)
     for mine, theirs in zip(a.regions.arrays, b.regions.arrays, strict=True):
         assert np.array_equal(mine[[20, 21, 22]], theirs[[3, 4, 50]])
+
+
+async def test_a_put_write_ends_only_once_its_flush_completed_even_if_the_answer_came_first(make_set_agent):
+    """A put write's ``placed`` header goes before its puts (the receiver checks the runs while
+    the bytes travel), so the receiver's answer may come before every byte is in its memory:
+    the write ends only once its flush completed too, and a flush that fails after the answer
+    fails the write with ``PeerLost``.  (The flush's completion is held by a wrapper around
+    the real lane.)"""
+    lane = {"same_host_lane": False, "ucx_tls": "tcp"}
+    a = await make_set_agent(RegionSet.allocate(16, [65536]), peer_id="a", **lane)
+    b = await make_set_agent(RegionSet.allocate(16, [65536]), peer_id="b", **lane)
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    await until_keyed(a, b, lane)
+    link = a.transport.links["b"]
+    held = []
+    real_put = link.lane.put
+
+    def put(puts, keepalive, done):
+        real_put(puts, keepalive, lambda error: held.append((done, error)))
+
+    link.lane.put = put
+    fill(a.regions, 3)
+
+    async def flushed_and_answered(transfer_id):
+        async with asyncio.timeout(5):
+            while not (held and transfer_id in link.early_answers):
+                await asyncio.sleep(0.001)
+
+    write = a.write_blocks("b", [0, 1], [2, 3])  # two blocks: puts
+    await flushed_and_answered(write.id)
+    await asyncio.sleep(0.05)
+    assert not write.done()  # answered, but its flush has not completed (here: not reported)
+    done, error = held.pop()
+    assert error is None
+    done(None)
+    await asyncio.wait_for(write, 5)
+    assert np.array_equal(b.regions.arrays[0][[2, 3]], a.regions.arrays[0][[0, 1]])
+
+    failing = a.write_blocks("b", [4, 5], [6, 7])
+    await flushed_and_answered(failing.id)
+    done, _ = held.pop()
+    done(OSError("injected: the flush failed"))
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(failing, 5)
 
 
 @pytest.mark.parametrize("lane", LANES)

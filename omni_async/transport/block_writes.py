@@ -247,9 +247,12 @@ class BlockWrites(TransportCore):
 
     def _put_write(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
         """Put one write request's rows into the peer's region (one put per run and region,
-        inside the region the peer announced: ``plan_runs`` checked the indices), then, once
-        the flush completed, tell the peer with a ``placed`` header.  A failed put or flush
-        (the peer died) fails the transfer with :class:`PeerLost` and drops the peer."""
+        inside the region the peer announced: ``plan_runs`` checked the indices) and flush.
+        Its ``placed`` header goes first, so that the peer checks the runs and answers while
+        the bytes travel; the answer counts only once the flush completed (every byte is in
+        the peer's memory: see :meth:`_answered`), so the request ends on whichever comes
+        last, one round trip in all.  A failed put or flush (the peer died) fails the
+        transfer with :class:`PeerLost` and drops the peer."""
         keys = link.remote_keys
         if keys is None:  # the peer was removed while this waited for its window
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} removed"))
@@ -257,14 +260,26 @@ class BlockWrites(TransportCore):
         peer = link.peer
         bases = (peer.base_addr, *(layer.base_addr for layer in peer.layers))
         puts = puts_of_runs(self._arrays, runs, bases, keys)
-        link.lane.put(puts, self._arrays, partial(self._flushed, link, transfer_id, runs))
-
-    def _flushed(self, link: PeerLink, transfer_id: int, runs: list[Run], error: BaseException | None) -> None:
-        if error is not None:
-            self._sent(link, transfer_id, error)
-            return
+        link.flushing[transfer_id] = link.flushing.get(transfer_id, 0) + 1
         header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
         self._send_header(link, header, partial(self._sent, link, transfer_id))
+        link.lane.put(puts, self._arrays, partial(self._flushed, link, transfer_id))
+
+    def _flushed(self, link: PeerLink, transfer_id: int, error: BaseException | None) -> None:
+        """A put request's flush completed: once none of the transfer's is pending, the
+        answers the peer gave meanwhile count (a failed flush fails the transfer instead)."""
+        pending = link.flushing.get(transfer_id, 1) - 1
+        if pending:
+            link.flushing[transfer_id] = pending
+        else:
+            link.flushing.pop(transfer_id, None)
+        if error is not None:
+            link.early_answers.pop(transfer_id, None)
+            self._sent(link, transfer_id, error)
+            return
+        if not pending:
+            for code, reason in link.early_answers.pop(transfer_id, ()):
+                self._answered(link, transfer_id, code, reason)
 
     def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header

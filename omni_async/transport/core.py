@@ -416,7 +416,11 @@ class TransportCore(ABC):
             self._answered(link, transfer_id, "", "")
 
     def _answered(self, link: PeerLink, transfer_id: int, code: str, reason: str) -> None:
-        """The peer's answer to one of our requests (``code`` empty: done)."""
+        """The peer's answer to one of our requests (``code`` empty: done); held while some
+        put of the transfer is not flushed (the bytes may not be in the peer's memory yet)."""
+        if transfer_id in link.flushing:
+            link.early_answers.setdefault(transfer_id, []).append((code, reason))
+            return
         due = link.notice_answers.get(transfer_id)
         if due is not None:
             if due > 1:

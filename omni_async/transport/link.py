@@ -109,6 +109,11 @@ class PeerLink:
     :mod:`.rma`); None: as tag messages."""
     keying: asyncio.Task[None] | None = None
     """Vetting and unpacking the peer's offered keys, while it runs."""
+    flushing: dict[int, int] = field(default_factory=dict)
+    """Put requests posted to the peer whose flush has not completed yet, by transfer."""
+    early_answers: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+    """The peer's answers to a transfer in :attr:`flushing`, held until its flushes completed
+    (a put write's ``placed`` header goes before its puts: the answer may come first)."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
