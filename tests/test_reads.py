@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from omni_async import DeadlineExceeded, InvalidBlocks, PeerLost, ReadsNotAllowed, TransferCancelled
+from omni_async import DeadlineExceeded, InvalidBlocks, PeerLost, ReadsNotAllowed, TransferCancelled, TransferRefused
+from omni_async.transport import block_writes
 from omni_async.wire import HEADER_TAG, MAX_HEADER_BYTES, READ_RUNS_PER_REQUEST, ReadRequest, encode_header
 
 from .conftest import FAST
@@ -109,6 +110,36 @@ async def test_read_deadline(make_agent):
         with pytest.raises(DeadlineExceeded):
             await asyncio.wait_for(read, 5)
     assert not a.region.array.any()
+
+
+async def test_a_reader_cannot_make_the_source_hold_unbounded_reads(make_agent, monkeypatch):
+    """Each read request is a write the source serves, waiting behind the reader's window: a
+    reader that never answers and keeps asking (a few bytes a request) made the source hold
+    every one of them.  Past ``MAX_SERVED_READS`` at once they are refused, the reader told
+    why; the source serves again once reads end."""
+    monkeypatch.setattr(block_writes, "MAX_SERVED_READS", 8)
+    b = await make_agent(peer_id="b", allow_reads=True)
+    async with Rogue.join(b.control_address) as rogue:  # it never answers b's writes
+        await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+        for i in range(40):
+            rogue.send(encode_header(ReadRequest(i, [(0, 0, 64)])), HEADER_TAG)
+        link = b.transport.links["rogue"]
+        async with asyncio.timeout(5):
+            while link.reads_served + link.reads_refused < 40:
+                await asyncio.sleep(0.005)
+        assert (link.reads_served, link.reads_refused) == (8, 32)
+        assert len(link.sent) == 8  # the writes serving them, no more
+    # A well-behaved reader is served, and told when it asks for too much at once.
+    a = await make_agent(peer_id="a")
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    fill(b, 4)
+    reads = [a.read_blocks("b", [i], [i]) for i in range(12)]
+    outcomes = await asyncio.wait_for(asyncio.gather(*reads, return_exceptions=True), 10)
+    assert all(o is None or isinstance(o, TransferRefused) for o in outcomes), outcomes
+    served = [i for i, o in enumerate(outcomes) if o is None]
+    assert len(served) >= 8 and np.array_equal(a.region.array[served], b.region.array[served])
+    await asyncio.wait_for(a.read_blocks("b", [20], [20]), 5)  # and again once they ended
 
 
 NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024

@@ -18,6 +18,7 @@ from ..errors import (
     PeerLost,
     ReadsNotAllowed,
     TransferFailed,
+    TransferRefused,
 )
 from ..region import Run, plan_runs
 from ..wire import (
@@ -47,6 +48,11 @@ _GATHER_MAX_RUN = 256 * 1024
 PUT_MIN_BYTES = 64 * 1024
 """A write request of one payload message up to this size goes as a tag message even where
 puts are on (one round trip; a put and its flush take two)."""
+MAX_SERVED_READS = 1024
+"""Read requests of one peer this side serves at once (each is a write to it, waiting in its
+window if need be); more are refused with :class:`~omni_async.errors.TransferRefused`, so a
+peer cannot make this side hold an unbounded queue of writes (a request of a few bytes asks
+for up to 2,048 runs)."""
 ANNOUNCE_BYTES = 1 << 20
 """A same-host write request (no notice) of at least this many bytes is announced with an
 intent before its copy (some 100 µs or more): the receiver checks it and stays awake for its
@@ -176,7 +182,10 @@ class BlockWrites(TransportCore):
         transfer settles once every row is in place (or fails, and says why).
 
         Raises at once, before any I/O: :class:`ReadsNotAllowed` (the peer's ``allow_reads``
-        is off), :class:`UnknownPeer`, :class:`InvalidBlocks`, :class:`ClosedError`.  A peer
+        is off), :class:`UnknownPeer`, :class:`InvalidBlocks`, :class:`ClosedError`.  Fails
+        with :class:`~omni_async.errors.TransferRefused` if the peer serves
+        :data:`MAX_SERVED_READS` read requests of ours already (a read of more than 2,048 runs
+        is several requests).  A peer
         on this host whose region is mapped here is copied from directly (settled on return);
         otherwise a :class:`~omni_async.wire.ReadRequest` asks the peer to write the rows
         into ours.  Deadlines, cancel modes and peer loss as for writes; after
@@ -220,15 +229,29 @@ class BlockWrites(TransportCore):
             log.warning("refused read %d from %s: reads are not allowed", req.transfer_id, link.peer.peer_id)
             refuse(ReadsNotAllowed("this peer does not allow reads of its region"))
             return
+        if link.reads_served >= MAX_SERVED_READS:
+            if not link.reads_refused:  # logged once per peer: a reader that keeps asking is refused quietly
+                log.warning("refusing reads from %s: %d of its read requests are being served",
+                            link.peer.peer_id, link.reads_served)
+            link.reads_refused += 1
+            refuse(TransferRefused(f"{MAX_SERVED_READS} read requests of this peer are being served"))
+            return
         runs: list[Run] = [(src, dst, count) for src, dst, count in req.runs]
         for src, dst, count in runs:
             if src + count > self.region.num_blocks or dst + count > link.peer.num_blocks:
                 refuse(InvalidBlocks(f"read of {count} blocks from {src} into {dst} leaves a region"))
                 return
         blocks = sum(run[2] for run in runs)
+        link.reads_served += 1
         write = self._write_runs(link, runs, blocks, None)
         answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_bytes)
-        write.add_done_callback(lambda done: answer(done.error()))
+        write.add_done_callback(partial(self._served, link, answer))
+
+    @staticmethod
+    def _served(link: PeerLink, answer: Callable[[BaseException | None], None], write: Transfer) -> None:
+        """The write that serves a peer's read request settled: answer the read."""
+        link.reads_served -= 1
+        answer(write.error())
 
     def _post_write(self, link: PeerLink, transfer_id: int, runs: list[Run], gather: bool, tag: _Tag | None) -> None:
         """Send one write request (within the receiver's limits) and its payload."""

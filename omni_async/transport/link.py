@@ -114,6 +114,11 @@ class PeerLink:
     early_answers: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     """The peer's answers to a transfer in :attr:`flushing`, held until its flushes completed
     (a put write's ``placed`` header goes before its puts: the answer may come first)."""
+    reads_served: int = 0
+    """The peer's read requests this side serves now (writes to it not settled yet)."""
+    reads_refused: int = 0
+    """The peer's read requests refused because :data:`~.block_writes.MAX_SERVED_READS` were
+    being served."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
