@@ -265,9 +265,15 @@ class DiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                     f"etcd endpoint {endpoint!r}: discovery speaks plaintext gRPC and has no TLS; "
                     "give host:port of an etcd reachable on a trusted network"
                 )
-            port = int(endpoint.rpartition(":")[2])
+            port = etcd_host_port(endpoint)[1]
             if not 0 < port < 65536:
                 raise ConfigError(f"etcd endpoint {endpoint!r}: port {port} is not within 1..65535")
+
+
+def etcd_host_port(endpoint: str) -> tuple[str, int]:
+    """``(host, port)`` of an etcd endpoint as :attr:`DiscoveryConfig.etcd` admits it."""
+    host, _, port = endpoint.rpartition("://")[2].rpartition(":")
+    return host, int(port)
 
 
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -67,15 +67,15 @@ MAX_NOTICE_BYTES: Final = 4096
 PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID)]
 Fingerprint = Annotated[str, msgspec.Meta(max_length=64)]
 Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON)]
+Code = Annotated[str, msgspec.Meta(max_length=32)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=I64)]  # msgspec bounds stop at int64
+Count = Annotated[int, msgspec.Meta(ge=1, le=I64)]
 
 
 def bounded_reason(text: str) -> str:
     """``text`` cut to :data:`MAX_REASON` characters, as a :data:`Reason` must be (msgspec checks
     the bound only when the peer decodes: a longer one made its whole message undecodable)."""
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 1] + "…"
-Code = Annotated[str, msgspec.Meta(max_length=32)]
-NonNeg = Annotated[int, msgspec.Meta(ge=0, le=I64)]  # msgspec bounds stop at int64
-Count = Annotated[int, msgspec.Meta(ge=1, le=I64)]
 
 
 class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True, tag_field="t"):

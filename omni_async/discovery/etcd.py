@@ -21,7 +21,7 @@ import aetcd
 
 from ..agent import Agent, PeerEvent
 from ..auth import split_address
-from ..config import DiscoveryConfig
+from ..config import DiscoveryConfig, etcd_host_port
 from ..errors import AlreadyConnected, ClosedError, ConfigError, OmniAsyncError, ProtocolError
 from ..lifecycle import Startable
 from .card import Card, card_key, decode_card, encode_card, group_prefix, peer_id_of
@@ -163,9 +163,9 @@ class Discovery(Startable):
 
     async def _session(self, endpoint: str) -> None:
         """Register, list, then keep the lease alive and follow the watch until one fails."""
-        host, _, port = endpoint.rpartition("://")[2].rpartition(":")
+        host, port = etcd_host_port(endpoint)
         rpc_timeout = max(1.0, self.config.ttl / 3)
-        client = aetcd.Client(host=host, port=int(port), timeout=rpc_timeout)
+        client = aetcd.Client(host=host, port=port, timeout=rpc_timeout)
         self._client = client
         try:
             assert self._me is not None

@@ -50,6 +50,7 @@ from ..wire import (
     Goodbye,
     MessageHeader,
     WriteRequest,
+    bounded_reason,
     decode_framed,
     decode_record,
     encode_header,
@@ -285,7 +286,7 @@ class TransportCore(ABC):
         link.deadlines.settle(transfer_id)
         if current:
             if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
-                abort = Abort(transfer_id, error.code, str(error)[:1000])
+                abort = Abort(transfer_id, error.code, bounded_reason(str(error)))
                 link.lane.send(encode_header(abort), HEADER_TAG, ignore)
             if error is not None:  # (an acknowledged one left the outbox with its last answer, or never entered it)
                 carry_out(link.outbox.forget(transfer_id))
@@ -452,7 +453,7 @@ class TransportCore(ABC):
         if self._links.get(link.peer.peer_id) is not link:
             return
         failed = None if error is None else sink_error(error)
-        ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, str(failed)[:1000])
+        ack = Ack(transfer_id) if failed is None else Ack(transfer_id, failed.code, bounded_reason(str(failed)))
         self._send_header(link, ack, ignore)  # first: the sender waits for it, not for our metrics
         self.metrics.answered(kind, nbytes, "ok" if failed is None else failed.code, link.peer.peer_id)
 
