@@ -125,7 +125,8 @@ class Portal:
 
     def _wait_for_callers(self) -> bool:
         """Daemon thread, between its runs of the loop: wait while callers drive it (until
-        :data:`LEASE_S` after their last turn); False once the portal ended."""
+        :data:`LEASE_S` after their last turn, looking again once a lease while a caller holds
+        it, or at once when one lets go of it after the lease); False once the portal ended."""
         with self._lease:
             while not self._ended:
                 if self._wanted:
@@ -164,7 +165,8 @@ class Portal:
         try:
             yield True
         finally:
-            if entered - self._last_run < LEASE_S:
+            in_rhythm = entered - self._last_run < LEASE_S
+            if in_rhythm:
                 # A caller in its rhythm of calls (it ran the loop within the lease before this
                 # one): the lease runs from the end of this call, not from that turn, so a call
                 # that held the loop longer than the lease (a large write's copy) does not cost
@@ -174,6 +176,15 @@ class Portal:
                 self._last_turn = time.monotonic()
             self._driver = None
             self._drive.release()
+            if not in_rhythm and time.monotonic() - self._last_turn >= LEASE_S:
+                self._lease_ran_out()
+
+    def _lease_ran_out(self) -> None:
+        """A caller let go of the loop after the callers' lease ran out: wake the daemon thread
+        now, while the loop is free.  (Looking once a lease, it could find a burst of such calls
+        holding the loop look after look, and leave the loop unrun for many leases.)"""
+        with self._lease:
+            self._lease.notify_all()
 
     def _take_drive(self, wait: float) -> bool:
         """Take the drive lock within ``wait`` seconds, asking whoever runs the loop to let go
