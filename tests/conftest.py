@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Callable
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +35,16 @@ def fast_config(**overrides: Any) -> AgentConfig:
 def leftover_tasks() -> list[asyncio.Task[Any]]:
     current = asyncio.current_task()
     return [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """Python's own SIGINT handler (``KeyboardInterrupt``) for the test, the one before restored
+    after it: a process started with SIGINT ignored (a shell's background job, ``nohup``) keeps
+    it ignored, and a test of what Ctrl-C does would see nothing happen."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

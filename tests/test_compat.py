@@ -933,6 +933,7 @@ def test_a_pair_survives_a_caller_that_only_writes_for_twice_the_heartbeat_timeo
     assert result.done == sorted(ids)
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_a_sigint_during_a_write_started_in_the_callers_thread_waits_for_the_write(make_transport, monkeypatch):
     """A write started in the caller's (main) thread runs the transport's code there: a SIGINT
     that comes meanwhile is held until the write was handed to the transport, then raised; the
@@ -970,6 +971,7 @@ def test_a_sigint_during_a_write_started_in_the_callers_thread_waits_for_the_wri
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("cut_short", [False, True], ids=["racing", "cut-short"])
 def test_close_is_whole_when_it_returns_racing_another_close_or_after_one_cut_short(cut_short):
     """Two threads close at once: the second returns only once the first is done (the loop

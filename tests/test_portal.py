@@ -55,6 +55,7 @@ def test_without_waiting_a_caller_does_not_take_a_loop_another_thread_runs(porta
         assert driving
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_a_sigint_during_a_callers_turn_waits_for_the_callback_it_lands_in(portal):
     """A KeyboardInterrupt raised inside a loop callback would leave the transport's state half
     changed: during a turn in the main thread the signal is held, and raised once it ends."""
@@ -154,6 +155,7 @@ def test_a_call_handed_to_an_ended_portal_raises_closed_error(when):
         made.stop(None, 5.0)
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_a_stop_is_whole_when_it_returns_even_racing_another_or_cut_short():
     """Two threads stopping at once: the second returns only once the first is done (the loop
     thread joined).  A stop cut short by an interrupt while it waits for the owner's close
