@@ -142,6 +142,31 @@ async def test_a_reader_cannot_make_the_source_hold_unbounded_reads(make_agent, 
     await asyncio.wait_for(a.read_blocks("b", [20], [20]), 5)  # and again once they ended
 
 
+async def test_a_read_request_cannot_ask_for_more_than_the_readers_region(make_agent):
+    """A request of a few bytes may name 2,048 runs, each as long as the reader's region: the
+    source wrote 2,048 regions' worth of rows into it (each row many times) for one request.
+    A request for more blocks than the reader's region has rows is refused (`InvalidBlocks`,
+    logged once), nothing written for it; a read of the whole region is served.  The reader's
+    own ``read_blocks`` refuses such a read before any I/O."""
+    b = await make_agent(peer_id="b", allow_reads=True)
+    async with Rogue.join(b.control_address) as rogue:  # its region: 64 blocks
+        await asyncio.wait_for(b.wait_for_peer("rogue"), 5)
+        rogue.send(encode_header(ReadRequest(1, [(0, 0, 64)] * READ_RUNS_PER_REQUEST)), HEADER_TAG)
+        rogue.send(encode_header(ReadRequest(2, [(0, 0, 32), (32, 0, 32), (0, 32, 1)])), HEADER_TAG)
+        rogue.send(encode_header(ReadRequest(3, [(0, 0, 32), (32, 32, 32)])), HEADER_TAG)
+        link = b.transport.links["rogue"]
+        async with asyncio.timeout(5):
+            while link.reads_served + link.reads_refused < 3:
+                await asyncio.sleep(0.005)
+        assert (link.reads_served, link.reads_refused) == (1, 2)
+        assert len(link.sent) == 1  # the write serving the whole region, no more
+    a = await make_agent(peer_id="a")
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    with pytest.raises(InvalidBlocks):
+        a.read_blocks("b", [0] * 65, [0] * 65)
+    assert a.transport.in_flight() == []
+
+
 NUM_BLOCKS, BLOCK_LEN = 64, 64 * 1024
 
 

@@ -51,8 +51,10 @@ puts are on (one round trip; a put and its flush take two)."""
 MAX_SERVED_READS = 1024
 """Read requests of one peer this side serves at once (each is a write to it, waiting in its
 window if need be); more are refused with :class:`~omni_async.errors.TransferRefused`, so a
-peer cannot make this side hold an unbounded queue of writes (a request of a few bytes asks
-for up to 2,048 runs)."""
+peer cannot make this side hold an unbounded queue of writes.  A request (a few bytes, up to
+2,048 runs) asking for more blocks than the peer's region has rows is refused too
+(:class:`~omni_async.errors.InvalidBlocks`): what one request makes this side send is at most
+the peer's region."""
 ANNOUNCE_BYTES = 1 << 20
 """A same-host write request (no notice) of at least this many bytes is announced with an
 intent before its copy (some 100 µs or more): the receiver checks it and stays awake for its
@@ -182,7 +184,8 @@ class BlockWrites(TransportCore):
         transfer settles once every row is in place (or fails, and says why).
 
         Raises at once, before any I/O: :class:`ReadsNotAllowed` (the peer's ``allow_reads``
-        is off), :class:`UnknownPeer`, :class:`InvalidBlocks`, :class:`ClosedError`.  Fails
+        is off), :class:`UnknownPeer`, :class:`InvalidBlocks` (also for more indices than
+        our region has rows: some would be written twice), :class:`ClosedError`.  Fails
         with :class:`~omni_async.errors.TransferRefused` if the peer serves
         :data:`MAX_SERVED_READS` read requests of ours already (a read of more than 2,048 runs
         is several requests).  A peer
@@ -196,6 +199,8 @@ class BlockWrites(TransportCore):
         link = self._link(peer_id)
         if not link.peer.allow_reads:
             raise ReadsNotAllowed(f"peer {peer_id!r} does not allow reads of its region")
+        if len(local_idxs) > self.region.num_blocks:
+            raise InvalidBlocks(f"a read of {len(local_idxs)} blocks into a region of {self.region.num_blocks}")
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
         transfer = self._new_transfer(link, len(local_idxs) * self.regions.block_bytes, "blocks")
         direct = link.direct
@@ -242,6 +247,13 @@ class BlockWrites(TransportCore):
                 refuse(InvalidBlocks(f"read of {count} blocks from {src} into {dst} leaves a region"))
                 return
         blocks = sum(run[2] for run in runs)
+        if blocks > link.peer.num_blocks:  # rows written more than once: no read of ours asks that
+            if not link.reads_refused:
+                log.warning("refused read %d from %s: %d blocks into a region of %d",
+                            req.transfer_id, link.peer.peer_id, blocks, link.peer.num_blocks)
+            link.reads_refused += 1
+            refuse(InvalidBlocks(f"read of {blocks} blocks into a region of {link.peer.num_blocks}"))
+            return
         link.reads_served += 1
         write = self._write_runs(link, runs, blocks, None)
         answer = partial(self._answer, link, req.transfer_id, "blocks", blocks * block_bytes)

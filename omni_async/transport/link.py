@@ -118,7 +118,7 @@ class PeerLink:
     """The peer's read requests this side serves now (writes to it not settled yet)."""
     reads_refused: int = 0
     """The peer's read requests refused because :data:`~.block_writes.MAX_SERVED_READS` were
-    being served."""
+    being served, or for asking for more blocks than its region has rows (the first is logged)."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
