@@ -9,7 +9,10 @@ or lets go (:meth:`ControlPlane.release`).  The plane owns:
 * the index of installed connections (peer id -> connection, ROUTER identity -> peer id);
 * liveness: heartbeats both ways every ``heartbeat_interval``; a peer silent for
   ``heartbeat_timeout``, whose DEALER connection drops, who says :class:`~omni_async.wire.Bye`
-  or who sends a malformed message is *lost*: removed, and reported once through ``lost``;
+  or who sends a malformed message is *lost*: removed, and reported once through ``lost``.
+  A dialled connection gets heartbeats from the welcome on, before it is installed: the far
+  side installed it before welcoming us, and counts our silence while the owner finishes
+  joining (vetting the peer's address);
 * limits: message size (ZeroMQ ``MAXMSGSIZE`` and the decoder), ``max_peers``.
 
 Admission is delegated: ``accept(connection)`` is called for every valid incoming hello; it
@@ -120,6 +123,7 @@ class ControlPlane:
         """``tcp://host:port`` peers connect to (``?key=PUBLIC_KEY`` appended when CURVE is on);
         empty until :meth:`start`."""
         self._peers: dict[str, ControlConnection] = {}  # installed connections
+        self._joining: dict[int, ControlConnection] = {}  # dialled, welcomed, not installed or released yet (by id())
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._logged_bad: set[bytes] = set()
@@ -192,8 +196,10 @@ class ControlPlane:
         """Handshake with the control plane at ``address``; return the connection, not installed.
 
         The caller owns it: :meth:`install` it, or :meth:`release` it (the far side may have
-        admitted it).  Raises :class:`HandshakeTimeout`, the :class:`HandshakeRejected` subtype
-        the peer sent (or that this side found), or :class:`ProtocolError` for a garbled answer.
+        admitted it); until then it gets heartbeats (the far side counts our silence from its
+        welcome on: the caller may take a while to join, vetting the peer's address).
+        Raises :class:`HandshakeTimeout`, the :class:`HandshakeRejected` subtype the peer sent
+        (or that this side found), or :class:`ProtocolError` for a garbled answer.
         A failed handshake leaves nothing behind.
         """
         if self._closed:
@@ -238,7 +244,9 @@ class ControlPlane:
             dealer.close(linger=_LINGER_MS)
             raise
         log.info("handshake with %s at %s done", msg.peer_id, address)
-        return ControlConnection(PeerInfo.from_hello(msg), self.identity.peer_id, dealer=dealer, key=server_key)
+        conn = ControlConnection(PeerInfo.from_hello(msg), self.identity.peer_id, dealer=dealer, key=server_key)
+        self._joining[id(conn)] = conn  # heartbeats until installed or released
+        return conn
 
     def install(self, peer: ControlConnection) -> None:
         """Make ``peer`` the peer's connection: heartbeats, liveness and ``lost`` now watch it.
@@ -249,6 +257,7 @@ class ControlPlane:
         if self._closed:
             raise ClosedError("control plane is closed")
         peer_id = peer.info.peer_id
+        self._joining.pop(id(peer), None)
         self._drop(peer_id)
         self._peers[peer_id] = peer
         peer.last_seen = time.monotonic()
@@ -266,6 +275,7 @@ class ControlPlane:
 
         No await, so it also runs in a cancelled task.  ``lost`` is not called.
         """
+        self._joining.pop(id(peer), None)
         if goodbye is not None:
             self._send_nowait(peer, encode_control(Bye(reason=bounded_reason(goodbye))))
         if self._peers.get(peer.info.peer_id) is peer:
@@ -439,6 +449,8 @@ class ControlPlane:
                     self._lose(peer_id, PeerLost(f"peer {peer_id!r} silent for {timeout}s"))
                 else:
                     self._send_nowait(peer, _HEARTBEAT)
+            for peer in self._joining.values():  # their liveness starts once installed
+                self._send_nowait(peer, _HEARTBEAT)
 
     # -- peer table ------------------------------------------------------------------------------
     def _lose(self, peer_id: str, error: OmniAsyncError, *, orderly: bool = False) -> None:

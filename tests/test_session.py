@@ -8,6 +8,8 @@ import pytest
 
 from omni_async import AlreadyConnected
 
+from .conftest import FAST
+
 pytestmark = pytest.mark.timeout(60)
 
 RACES = 50
@@ -129,3 +131,26 @@ async def test_a_dial_whose_offered_lane_the_winner_closed_ends_crossed(make_age
     await asyncio.wait_for(a.write_blocks("z", [0], [3]), 5)
     await asyncio.wait_for(z.write_blocks("a", [0], [3]), 5)
     assert (z.region.array[3] == 5).all() and (a.region.array[3] == 6).all()
+
+
+async def test_a_dialler_still_vetting_our_address_is_not_dropped_as_silent(make_agent):
+    """The listener joins the pair before it welcomes the dialler, and counts the dialler's
+    silence from then; the dialler joins only after vetting the listener's address (a check
+    in a child process: up to its 2 s deadline, longer in a queue).  A dialler that took
+    longer than the listener's heartbeat timeout was dropped as silent, and its handshake then
+    failed on the listener's closed lane.  It sends heartbeats while it finishes."""
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b")
+    left: list[str] = []
+    b.add_peer_listener(lambda event: left.append(event.peer_id) if event.kind == "left" else None)
+    real_connect_lane = a.transport.connect_lane
+
+    async def slow_connect_lane(*args, **kwargs):  # the dialler's vetting of b's address, slowed
+        await asyncio.sleep(FAST["heartbeat_timeout"] * 2)
+        await real_connect_lane(*args, **kwargs)
+
+    a.transport.connect_lane = slow_connect_lane
+    assert await asyncio.wait_for(a.connect(b.control_address), 10) == "b"
+    await asyncio.sleep(FAST["heartbeat_timeout"] * 1.5)  # joined on both sides, and staying
+    assert left == [] and set(b.peers) == {"a"} and set(a.peers) == {"b"}
+    await asyncio.wait_for(a.write_blocks("b", [0], [1]), 5)
