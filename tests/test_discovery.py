@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -275,6 +277,33 @@ async def test_losing_etcd_keeps_peers_and_transfers_then_discovery_resumes(
         assert sum(m.startswith(f"discovery: {peer_id} lost etcd") for m in said) == 1, said
         assert sum(m.startswith(f"discovery: {peer_id} cannot reach") for m in said) == 0, said
         assert sum(m.startswith(f"discovery: {peer_id} resumed") for m in said) == 1, said
+
+
+async def test_an_etcd_paused_past_the_ttl_drops_no_joined_peer(
+        etcd: LocalEtcd, make_service: Callable[..., Any]) -> None:
+    """etcd stopped (SIGSTOP) for longer than the cards' TTL expires every lease when it runs
+    again: each card vanishes, though every agent lives.  A joined peer answers heartbeats;
+    its card's vanishing is no sign of its death: the pair stays joined, transfers go on, and
+    the cards are back once both agents registered again."""
+    group = "paused"
+    a = await make_service("a", discovery=discovery(etcd, group))
+    c = await make_service("c", discovery=discovery(etcd, group))
+    await until(lambda: "c" in a.agent.peers and "a" in c.agent.peers, 20, "a and c to join")
+    left: list[PeerEvent] = []
+    for service in (a, c):
+        service.agent.add_peer_listener(lambda event: left.append(event) if event.kind == "left" else None)
+    paused = etcd.pid
+    os.kill(paused, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(TTL * 2)
+    finally:
+        os.kill(paused, signal.SIGCONT)
+    await until(lambda: a.discovery.online and c.discovery.online, 15, "discovery to resume")
+    await until(lambda: set(a.discovery.members) == {"c"} and set(c.discovery.members) == {"a"}, 10,
+                "both cards to be back")
+    await asyncio.sleep(1.0)  # whatever the resumed etcd expired has been seen by now
+    assert left == [] and "c" in a.agent.peers and "a" in c.agent.peers
+    await asyncio.wait_for(a.agent.write_blocks("c", [0], [0]), 10)
 
 
 async def test_with_curve_a_card_whose_key_is_not_allow_listed_is_ignored(

@@ -2,8 +2,11 @@
 
 :class:`Discovery` registers the agent's :class:`~omni_async.discovery.card.Card` under a lease
 it keeps alive, lists and watches the group, and dials the peers it should (see
-:mod:`~omni_async.discovery.membership`); a peer whose card vanishes is removed.  Losing etcd
-never drops a joined peer: the session ends, that is logged once, and every ``retry_interval``
+:mod:`~omni_async.discovery.membership`); a peer whose card changed (it moved or restarted) is
+removed, one whose card vanished is not dialled again but stays joined while it answers
+heartbeats (a card also vanishes when etcd expires a living agent's lease: etcd stopped for
+longer than the TTL expires every lease once it runs again).  Losing etcd never drops a joined
+peer: the session ends, that is logged once, and every ``retry_interval``
 a new session is tried (a fresh lease, the card again, a new listing); then it is logged that
 discovery resumed.  Uses the ``aetcd`` client (``pip install 'omni_async[discovery]'``).
 """
@@ -65,8 +68,9 @@ class Discovery(Startable):
         self._closing = asyncio.Event()  # set by close(): wait_online() ends
         self._wake = asyncio.Event()
         self._stale: dict[str, int | None] = {}
-        """Peers whose card vanished or changed → the handshake nonce of the incarnation joined
-        then (None: none), which is removed; a newer incarnation that joined meanwhile stays."""
+        """Peers whose card vanished or changed: a dial of it in progress is cancelled.  Each →
+        the handshake nonce of the incarnation joined when its card changed, which is removed
+        (None: none, or the card vanished); a newer incarnation that joined meanwhile stays."""
         self._dialing: dict[str, asyncio.Task[None]] = {}
         self.dial_errors: dict[str, str] = {}
         """Peers whose last dial failed, by peer id, with the reason (logged once per reason)."""
@@ -238,10 +242,12 @@ class Discovery(Startable):
         assert me is not None
         for change in changes:
             peer_id, card = change.peer_id, change.card
-            if change.kind != "added":  # vanished, or a new incarnation: forget the old one
+            if change.kind == "changed":  # the agent moved or restarted: drop the incarnation joined now
                 joined = self.agent.peers.get(peer_id)
                 self._stale[peer_id] = None if joined is None else joined.nonce
-            if card is None:
+            elif change.kind == "removed":  # stop dialling it (no evidence of death: keep a joined one)
+                self._stale[peer_id] = None
+            if card is None:  # not dialled again; a joined peer stays while it answers heartbeats
                 log.info("discovery: %s's card vanished", peer_id)
                 self.ignored.pop(peer_id, None)
                 continue
@@ -287,7 +293,7 @@ class Discovery(Startable):
                 await asyncio.gather(task, return_exceptions=True)
             incarnation = agent.peers.get(peer_id)
             if incarnation is not None and incarnation.nonce == nonce:
-                log.info("discovery: removing %s (its card vanished or changed)", peer_id)
+                log.info("discovery: removing %s (its card changed)", peer_id)
                 await agent.remove_peer(peer_id)
         if not self.online:
             return  # the cards may be stale: dial again once etcd answers

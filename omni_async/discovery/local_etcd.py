@@ -93,6 +93,13 @@ class LocalEtcd:
         raise TimeoutError(f"etcd did not become healthy within {self.startup_timeout:.0f}s")
 
     @property
+    def pid(self) -> int:
+        """The server's process id (:class:`RuntimeError` if it is not running)."""
+        if self._proc is None:
+            raise RuntimeError("etcd is not running")
+        return self._proc.pid
+
+    @property
     def running(self) -> bool:
         """Whether the server was started and not stopped since."""
         return self._proc is not None
