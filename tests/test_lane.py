@@ -181,7 +181,7 @@ def test_lanes_on_two_threads_never_see_each_others_probes():
 
 def test_importing_the_transport_has_no_side_effects():
     """No environment edit and no UCX library loaded at import; both happen on first use
-    (ucxx's GPU UCX_* writes undone, UCX_LOG_FILE defaulted to stderr)."""
+    (ucxx's GPU UCX_* writes undone, UCX_LOG_FILE defaulted to stderr, UCX's mmap hooks off)."""
     import os
     import sys
 
@@ -197,10 +197,11 @@ lane.new_context("^cma", "lo")
 assert "ucxx" in sys.modules
 expected = {k: v for k, v in before.items() if k.startswith("UCX_")}
 expected.setdefault("UCX_LOG_FILE", "stderr")
+expected.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")
 assert {k: v for k, v in os.environ.items() if k.startswith("UCX_")} == expected, os.environ
 print("ok")
 """
-    env = {key: value for key, value in os.environ.items() if key != "UCX_LOG_FILE"}
+    env = {key: value for key, value in os.environ.items() if key not in ("UCX_LOG_FILE", "UCX_MEM_MMAP_HOOK_MODE")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": root},
                             capture_output=True, text=True, timeout=60)

@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -67,11 +67,20 @@ ucx_api: Any = None
 _load_lock = threading.Lock()
 
 
+_PRESET_ENV: Final = {"UCX_LOG_FILE": "stderr", "UCX_MEM_MMAP_HOOK_MODE": "none"}
+"""UCX settings read when its libraries load, set unless the environment has them."""
+
+
 def load_ucxx() -> Any:
     """Import ucxx on first use (never at import) and return its ``libucxx`` module.
 
-    UCX logs to stdout by default, where it would mix with a program's own output: unless
-    set, ``UCX_LOG_FILE=stderr`` (this only takes effect if UCX is not loaded yet).  Importing
+    Unless set (they take effect only if UCX is not loaded yet): ``UCX_LOG_FILE=stderr``, as
+    UCX logs to stdout by default, where it would mix with a program's own output; and
+    ``UCX_MEM_MMAP_HOOK_MODE=none``: UCX's default patches libc's ``mmap`` family in place
+    when it loads, 0.4 s of CPU per process here (``sched_yield`` in a loop), for memory
+    events only a registration cache of host memory uses (InfiniBand's; none of the
+    transports this wheel has: shared memory, cma, tcp; GPU memory has hooks of its own).
+    Importing
     ucxx writes UCX_* tunings for GPUs (UCX_RNDV_THRESH, UCX_RNDV_FRAG_MEM_TYPE=cuda,
     UCX_MAX_RNDV_RAILS, and UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows) into
     os.environ, where every UCX context and every child process would pick them up: they are
@@ -80,7 +89,8 @@ def load_ucxx() -> Any:
     global ucx_api
     with _load_lock:
         if ucx_api is None:
-            os.environ.setdefault("UCX_LOG_FILE", "stderr")
+            for key, value in _PRESET_ENV.items():
+                os.environ.setdefault(key, value)
             before = {key: value for key, value in os.environ.items() if key.startswith("UCX_")}
             import ucxx._lib.libucxx as api
 

@@ -94,9 +94,9 @@ def main(tls: str, net_devices: str) -> None:
     # UCX may print to fd 1: send it to stderr; the ready byte goes to a private copy of stdout.
     ready = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    import ucxx._lib.libucxx  # noqa: F401  (the slow import, paid once for every server)
+    from .lane import load_ucxx
 
-    from . import lane  # noqa: F401
+    load_ucxx()  # the slow import, paid once for every server
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # servers are reaped by the kernel
     requests = socket.socket(fileno=os.dup(0))
