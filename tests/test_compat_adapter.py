@@ -307,3 +307,43 @@ def test_a_request_id_reused_after_cleanup_is_not_settled_by_the_old_requests_sa
     finally:
         tx.shutdown()
         rx.shutdown()
+
+
+def test_loaded_chunks_are_handed_out_in_the_order_the_loads_were_made():
+    """Loads made ahead settle in arrival order, and a small final chunk overtakes a large
+    first one over UCX (every time): the request was reported finished with its final chunk
+    first in ``get_loaded``, while chunk 0 was still on its way (a scheduler that took it as the
+    stream's end dropped chunk 0).  A chunk is handed out only once every earlier load of its
+    request settled."""
+    config = {"agent": {"same_host_lane": False}}
+    rx = SyncTransferAdapter(_merged(service_config("talker-order", stall_timeout=5.0), config),
+                             stage=STAGE, source="thinker-order")
+    tx = SyncTransferAdapter(_merged(service_config("thinker-order"), config), stage=STAGE)
+    try:
+        assert tx.connect(rx.control_address) == "talker-order"
+        requests = [f"order-{r}" for r in range(6)]
+        for request in requests:
+            rx.load_async(request)
+            rx.load_async(request)
+        for r, request in enumerate(requests):
+            tx.save_async(request, {"x": np.full(2 << 20, r, np.uint8)})
+            tx.save_async(request, {"i": 1}, final=True)
+        drain_finished(tx, set(requests))
+        order: dict[str, list[int]] = {request: [] for request in requests}
+
+        def probe() -> bool:
+            rx.get_finished_requests()
+            for request in requests:
+                while (chunk := rx.get_loaded(request)) is not None:
+                    order[request].append(chunk.index)
+            return all(len(indices) == 2 for indices in order.values())
+
+        until(probe)
+        assert order == {request: [0, 1] for request in requests}
+    finally:
+        tx.shutdown()
+        rx.shutdown()
+
+
+def _merged(config: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {**config, **{section: {**config.get(section, {}), **fields} for section, fields in extra.items()}}

@@ -63,14 +63,29 @@ class _SaveBook:
         self.failed = False  # a chunk failed: reported once, never finished
 
 
-class _LoadBook:
-    """Receive-side state of one request loaded with ``load_async``: its loads not yet settled
-    (loop thread writes, under the lock).  Gone once they settled, or the request was cleaned up."""
+class _Load:
+    """One ``load_async`` of a request: its chunk or its error once settled."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("chunk", "error", "settled")
 
     def __init__(self) -> None:
-        self.pending = 0
+        self.settled = False
+        self.chunk: Chunk | None = None
+        self.error: BaseException | None = None
+
+
+class _LoadBook:
+    """Receive-side state of one request loaded with ``load_async``: its loads not handed out
+    yet, in the order they were made (loop thread writes, under the lock).  Loads settle in
+    the order their chunks arrive, which is not the stream's (a small final chunk overtakes a
+    large first one); they are handed out in the order made.  Gone once every load was handed
+    out, or the request was cleaned up."""
+
+    __slots__ = ("failed", "loads")
+
+    def __init__(self) -> None:
+        self.loads: deque[_Load] = deque()
+        self.failed = False  # a load failed: reported once; later chunks are not handed out
 
 
 class _AdapterEngine:
@@ -186,35 +201,44 @@ class _AdapterEngine:
                     self.finished.add(request_id)
 
     def submit_load(self, request_id: str) -> None:
+        load = _Load()
         with self.portal.lock:
             book = self.loads.setdefault(request_id, _LoadBook())
-            book.pending += 1
+            book.loads.append(load)
         try:
             future = self.incoming().load_async(request_id)
         except OmniAsyncError as exc:
-            self.on_loaded(request_id, book, None, exc)
+            self.on_loaded(request_id, book, load, None, exc)
             return
         future.add_done_callback(
             lambda f: self.on_loaded(
-                request_id, book, None if f.cancelled() or f.exception() else f.result(), _outcome(f)
+                request_id, book, load, None if f.cancelled() or f.exception() else f.result(), _outcome(f)
             )
         )
 
-    def on_loaded(self, request_id: str, book: _LoadBook, chunk: Chunk | None, error: BaseException | None) -> None:
-        """A load settled: into the books, unless its request was cleaned up meanwhile (the
-        cleanup failed it: that is no failure to report)."""
+    def on_loaded(self, request_id: str, book: _LoadBook, load: _Load, chunk: Chunk | None,
+                  error: BaseException | None) -> None:
+        """``load`` settled: hand out every load of the request settled so far in the order
+        they were made (its chunk into :attr:`loaded`, or its failure), up to the first one
+        still waiting; unless the request was cleaned up meanwhile (the cleanup failed its
+        loads: that is no failure to report)."""
         with self.portal.lock:
             self.settled()
             if self.loads.get(request_id) is not book:
                 return
-            book.pending -= 1
-            if not book.pending:
+            load.settled, load.chunk, load.error = True, chunk, error
+            while book.loads and book.loads[0].settled:
+                done = book.loads.popleft()
+                if book.failed:
+                    continue
+                if done.error is not None:
+                    book.failed = True
+                    self.failed_recv.setdefault(request_id, _reason(done.error))
+                elif done.chunk is not None:
+                    self.loaded.setdefault(request_id, deque()).append(done.chunk)
+                    self.finished.add(request_id)
+            if not book.loads:
                 del self.loads[request_id]
-            if error is not None:
-                self.failed_recv.setdefault(request_id, _reason(error))
-            elif chunk is not None:
-                self.loaded.setdefault(request_id, deque()).append(chunk)
-                self.finished.add(request_id)
 
     def settled(self) -> None:
         """One outstanding save or load settled: wake a waiting drain.  Lock held."""
@@ -378,8 +402,9 @@ class SyncTransferAdapter(Facade):
     def load_async(self, request_id: str) -> None:
         """Ask for the request's next chunk (each call one more, in order); never blocks.
 
-        When it arrives the request shows in :meth:`get_finished_requests` and the chunk waits in
-        :meth:`get_loaded`; if it cannot (``stall_timeout`` passed, source lost, sender
+        When it arrives, and every chunk asked for before it did, the request shows in
+        :meth:`get_finished_requests` and the chunk waits in :meth:`get_loaded` (in stream
+        order, whatever order the chunks arrived in); if it cannot (``stall_timeout`` passed, source lost, sender
         cancelled, invalid payload) the request shows in :meth:`collect_failed_receive_request_ids`.
         """
         self._portal.check_open()
