@@ -207,7 +207,7 @@ class _AdapterEngine:
             book.loads.append(load)
         try:
             future = self.incoming().load_async(request_id)
-        except OmniAsyncError as exc:
+        except (OmniAsyncError, ValueError, TypeError) as exc:  # as a save's: reported, never left waiting
             self.on_loaded(request_id, book, load, None, exc)
             return
         future.add_done_callback(
