@@ -9,6 +9,7 @@ process, each with its own loop thread and ConnectorService, connected over loop
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -347,3 +348,24 @@ def test_loaded_chunks_are_handed_out_in_the_order_the_loads_were_made():
 
 def _merged(config: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {**config, **{section: {**config.get(section, {}), **fields} for section, fields in extra.items()}}
+
+
+def test_a_load_that_cannot_start_is_reported_failed_not_left_waiting():
+    """Another adapter of the service already waits for the request's next chunk (the connector
+    refuses a second wait on a key, ValueError): the facade's load is reported failed with the
+    reason; before, the error escaped the loop's callback and the load stayed outstanding."""
+    rx = SyncTransferAdapter(service_config("talker-busy", stall_timeout=5.0), stage=STAGE, source="thinker-busy")
+    try:
+        async def wait_elsewhere() -> Any:
+            assert rx.service is not None
+            return rx.service.adapter(STAGE).load_async("busy")
+
+        other = asyncio.run_coroutine_threadsafe(wait_elsewhere(), rx.loop).result(DEADLINE_S)
+        rx.load_async("busy")
+        failed: dict[str, str] = {}
+        until(lambda: failed.update(rx.collect_failed_receive_request_ids()) or failed)
+        assert "somebody already waits" in failed["busy"]
+        assert rx._engine.outstanding == 0 and not rx._engine.loads
+        rx.loop.call_soon_threadsafe(other.cancel)
+    finally:
+        rx.shutdown()
