@@ -460,7 +460,9 @@ class TransferAdapter:
     def cleanup(self, request_id: str, error: OmniAsyncError | None = None) -> None:
         """Forget a request: fail its waiters, drop its buffered chunks, refuse late ones.
 
-        Idempotent.  Waiters get ``error`` (default :class:`TransferCancelled`).
+        Idempotent.  Waiters get ``error`` (default :class:`TransferCancelled`).  Only this
+        request's keys are concerned, not those of one whose id extends its key prefix (see
+        :func:`~omni_async.connector.key_prefix`).
         """
         error = error or TransferCancelled(f"request {request_id!r} cleaned up")
         state = self._forget(request_id)

@@ -118,15 +118,27 @@ class Connector(ABC):
 
     @abstractmethod
     def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False) -> int:
-        """Drop buffered payloads and fail waits whose key starts with ``prefix``; return how many.
+        """Drop buffered payloads and fail waits whose key is ``prefix`` followed by an index
+        (decimal digits, see :func:`key_prefix`); return how many.  A key that merely starts
+        with ``prefix`` is not one of them (request ``"a:s:x"``'s keys ``"a:s:x:s:0"`` are not
+        under request ``"a"``'s prefix ``"a:s:"``).
 
-        With ``refuse_later``, payloads with that prefix that arrive afterwards are refused
+        With ``refuse_later``, payloads under that prefix that arrive afterwards are refused
         (their sender's ``put`` fails with ``TransferCancelled``) instead of buffered.
         """
 
     @abstractmethod
     async def close(self) -> None:
         """Fail every wait with :class:`ClosedError` and drop buffered payloads.  Idempotent."""
+
+
+def key_prefix(key: str) -> str | None:
+    """The prefix ``key`` is under: all of it up to its last ``":"`` (included) when what
+    follows is an index (ASCII decimal digits), else None.  The one rule by which keys are
+    matched against a prefix (:meth:`Connector.discard`)."""
+    cut = key.rfind(":") + 1
+    index = key[cut:]
+    return key[:cut] if index.isascii() and index.isdecimal() else None
 
 
 PutDone = Callable[[int, BaseException | None], None]
@@ -373,21 +385,11 @@ class UcxConnector(Connector):
             del self._waiters[key]
 
     def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False) -> int:
-        count = 0
-        for key in [k for k in self._stored if k.startswith(prefix)]:
-            for stored in list(self._stored[key].values()):
-                self._drop(stored, error or TransferCancelled(f"{key!r} discarded"))
-                count += 1
-        for key in [k for k in self._waiters if k.startswith(prefix)]:
-            future, _, _ = self._waiters.pop(key)
-            if not future.done():
-                future.set_exception(error or TransferCancelled(f"{key!r} discarded"))
-                count += 1
+        count = self._release(lambda key: key_prefix(key) == prefix, error)
         if refuse_later:
             self._refused[prefix] = None
             while len(self._refused) > self.options.max_refused:
                 self._refused.popitem(last=False)
-        self._admit()
         return count
 
     async def close(self) -> None:
@@ -397,7 +399,22 @@ class UcxConnector(Connector):
         for timer in self._orphan_timers:
             timer.cancel()
         self._orphan_timers.clear()
-        self.discard("", ClosedError("connector closed"))
+        self._release(lambda key: True, ClosedError("connector closed"))
+
+    def _release(self, chosen: Callable[[str], bool], error: OmniAsyncError | None) -> int:
+        """Drop the buffered payloads and fail the waits of the ``chosen`` keys; return how many."""
+        count = 0
+        for key in [k for k in self._stored if chosen(k)]:
+            for stored in list(self._stored[key].values()):
+                self._drop(stored, error or TransferCancelled(f"{key!r} discarded"))
+                count += 1
+        for key in [k for k in self._waiters if chosen(k)]:
+            future, _, _ = self._waiters.pop(key)
+            if not future.done():
+                future.set_exception(error or TransferCancelled(f"{key!r} discarded"))
+                count += 1
+        self._admit()
+        return count
 
     # -- buffer --------------------------------------------------------------------------------
     def _take(self, key: str, source: str | None) -> _Stored | None:
@@ -527,7 +544,7 @@ class UcxConnector(Connector):
         """The live wait a payload for ``key`` from ``peer_id`` goes to (None: nobody waits, it
         is buffered).  Raises :class:`TransferCancelled` for a key of a cleaned-up request and
         :class:`TransferRefused` for a key awaited from another peer."""
-        if self._refused and key[: key.rfind(":") + 1] in self._refused:
+        if self._refused and key_prefix(key) in self._refused:
             raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
         waiter = self._waiters.get(key)
         if waiter is not None and waiter[0].done():

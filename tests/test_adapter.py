@@ -177,6 +177,24 @@ async def test_cleanup_and_cancel_are_idempotent_and_leave_nothing(make_service)
     assert rx.connector.buffered == (0, 0) and rx.connector.waiting == 0
 
 
+async def test_cleanup_reaches_only_the_keys_of_its_own_request(make_service):
+    """Request ids may contain ':' (a stage may not): ``cleanup("a")`` drops, fails and refuses
+    the keys ``"a:thinker:<index>"`` of request "a" only, not those of a request whose id starts
+    with ``"a:thinker:"`` (keys ``"a:thinker:x:thinker:0"``: its buffered chunk was dropped,
+    its waiting load failed)."""
+    _, rx, sender, receiver = await linked(make_service)
+    await sender.save("a", {"a": 0})
+    await sender.save("a:thinker:x", {"x": 0})
+    waiting = receiver.load_async("a:thinker:y")
+    receiver.cleanup("a")
+    assert rx.connector.buffered[0] == 1 and rx.connector.waiting == 1  # "a"'s chunk alone is gone
+    await asyncio.wait_for(sender.save("a:thinker:y", {"y": 0}, final=True), 5)  # not refused
+    assert (await asyncio.wait_for(waiting, 5)).data == {"y": 0}
+    assert (await receiver.load("a:thinker:x")).data == {"x": 0}
+    with pytest.raises(TransferCancelled):  # request "a" itself stays cleaned up
+        await asyncio.wait_for(sender.save("a", {"a": 1}), 5)
+
+
 async def test_sender_cancel_reaches_the_receiver(make_service):
     _, _, sender, receiver = await linked(make_service)
     await sender.save("r", {"i": 0})
