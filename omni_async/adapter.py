@@ -86,6 +86,8 @@ class _Incoming:
     """The final chunk was loaded while earlier loads still waited: forgotten once they end."""
     latest: tuple[asyncio.Future[Chunk], asyncio.Future[dict[str, Any]]] | None = None
     """The latest load that waits (for chunk ``next_index - 1``) and its wait in the connector."""
+    kept: Chunk | None = None
+    """Chunk ``next_index``, which came to a load given up before its owner got it: the next load takes it."""
 
 
 class TransferAdapter:
@@ -287,10 +289,19 @@ class TransferAdapter:
         return result
 
     async def load(self, request_id: str) -> Chunk:
-        """Wait for the request's next chunk (a chunk here already is taken without a future)."""
+        """Wait for the request's next chunk (a chunk here already is taken without a future).
+
+        Cancelled once its chunk was handed to it but before it returned (a timeout around it
+        firing in that turn), it leaves the chunk to the next load (see :meth:`_keep`)."""
         taken = self._take_next(request_id)
         if taken is None:
-            return await self._wait_next(request_id)
+            loading = self._wait_next(request_id)
+            try:
+                return await loading
+            except asyncio.CancelledError:
+                if loading.done() and not loading.cancelled() and loading.exception() is None:
+                    self._keep(request_id, loading.result().index, loading.result())
+                raise
         if isinstance(taken, Chunk):
             return taken
         raise taken
@@ -304,9 +315,10 @@ class TransferAdapter:
                 return
 
     def _take_next(self, request_id: str) -> Chunk | OmniAsyncError | None:
-        """The request's next chunk if it is buffered, taken now (its index used), or why it
-        cannot be loaded (the request is then cleaned up); None if it has not arrived (then
-        :meth:`_wait_next` waits for it).  Raises :class:`ClosedError` once closing."""
+        """The request's next chunk if it is here (buffered by the connector, or kept from a
+        load given up as it arrived), taken now (its index used), or why it cannot be loaded
+        (the request is then cleaned up); None if it has not arrived (then :meth:`_wait_next`
+        waits for it).  Raises :class:`ClosedError` once closing."""
         if self._closing:
             raise ClosedError("adapter is closed")
         state = self._incoming.get(request_id)
@@ -317,15 +329,19 @@ class TransferAdapter:
             self._load_cancelled(request_id, state.next_index - 1, payload, result)
             state = self._incoming.get(request_id)
         index = 0 if state is None else state.next_index
-        envelope = self.connector.take_nowait(self._key(request_id, index), source=self.source)
-        if envelope is None:
-            return None
+        chunk: Chunk | OmniAsyncError
+        if state is not None and state.kept is not None:
+            chunk, state.kept = state.kept, None
+        else:
+            envelope = self.connector.take_nowait(self._key(request_id, index), source=self.source)
+            if envelope is None:
+                return None
+            chunk = self._unwrap(request_id, index, envelope)
         if state is None:
             state = self._incoming[request_id] = _Incoming()
         state.next_index = index + 1
         state.latest = None  # (a load that still waits is no longer the latest)
         self._rearm(request_id, None)
-        chunk = self._unwrap(request_id, index, envelope)
         if not isinstance(chunk, Chunk):
             self.cleanup(request_id)
         elif chunk.final:
@@ -416,9 +432,11 @@ class TransferAdapter:
     ) -> None:
         """A load given up by its owner (e.g. ``wait_for`` timed out) withdraws its wait.
 
-        The stream stays usable when it was the latest load and its chunk had not arrived: the
-        next load asks for the same chunk again.  Otherwise the request cannot stay in order
-        and is cleaned up.
+        The stream stays usable when it was the latest load: the next load asks for the same
+        chunk again, or takes it at once if it arrived in the turn the load was given up (its
+        sender has the acknowledgement: the chunk is kept, not dropped).  Otherwise (a later
+        load waits) the request cannot stay in order and is cleaned up: later loads of it fail
+        at once with :class:`TransferCancelled` saying so (see :meth:`cleanup`).
         """
         if not result.cancelled():
             return
@@ -428,7 +446,10 @@ class TransferAdapter:
         state.waiters.remove(result)
         if state.latest is not None and state.latest[0] is result:
             state.latest = None
-        if not payload.done() and state.next_index == index + 1:
+        if payload.done():  # its chunk came in the turn the load was given up
+            error = payload.exception()
+            self._keep(request_id, index, self._unwrap(request_id, index, payload.result()) if error is None else error)
+        elif state.next_index == index + 1:
             payload.cancel()
             state.next_index = index
             if not state.waiters:
@@ -436,6 +457,25 @@ class TransferAdapter:
         else:
             payload.cancel()
             self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
+
+    def _keep(self, request_id: str, index: int, outcome: Chunk | BaseException) -> None:
+        """Chunk ``index`` came to a load given up before its owner got it (the sender has its
+        acknowledgement): it is kept for the next load of the request, which takes it at once.
+        If a later load was made already (order cannot hold), or the chunk failed, the request
+        is cleaned up instead (with that failure)."""
+        state = self._incoming.get(request_id)
+        if state is None and isinstance(outcome, Chunk) and outcome.final and not self._closing:
+            state = self._incoming[request_id] = _Incoming(next_index=index + 1)  # (it had ended the request)
+        if state is None:
+            return  # cleaned up meanwhile
+        if not isinstance(outcome, Chunk):
+            self.cleanup(request_id, outcome if isinstance(outcome, OmniAsyncError) else None)
+        elif state.next_index != index + 1 or state.kept is not None:  # (a later chunk is kept)
+            self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
+        else:
+            state.next_index = index
+            state.kept = outcome
+            state.ended = False  # (until the next load takes it)
 
     def _stalled(self, request_id: str) -> None:
         """The request's timer fired: it stalled if its ``due`` passed; else the timer is
@@ -460,9 +500,10 @@ class TransferAdapter:
     def cleanup(self, request_id: str, error: OmniAsyncError | None = None) -> None:
         """Forget a request: fail its waiters, drop its buffered chunks, refuse late ones.
 
-        Idempotent.  Waiters get ``error`` (default :class:`TransferCancelled`).  Only this
-        request's keys are concerned, not those of one whose id extends its key prefix (see
-        :func:`~omni_async.connector.key_prefix`).
+        Idempotent.  Waiters get ``error`` (default :class:`TransferCancelled`); later loads of
+        the request fail at once with :class:`TransferCancelled` naming the first cleanup's
+        ``error``.  Only this request's keys are concerned, not those of one whose id extends
+        its key prefix (see :func:`~omni_async.connector.key_prefix`).
         """
         error = error or TransferCancelled(f"request {request_id!r} cleaned up")
         state = self._forget(request_id)

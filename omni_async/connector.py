@@ -124,7 +124,9 @@ class Connector(ABC):
         under request ``"a"``'s prefix ``"a:s:"``).
 
         With ``refuse_later``, payloads under that prefix that arrive afterwards are refused
-        (their sender's ``put`` fails with ``TransferCancelled``) instead of buffered.
+        (their sender's ``put`` fails with ``TransferCancelled``) instead of buffered, and waits
+        for its keys made afterwards fail at once with ``TransferCancelled`` naming the first
+        such discard's ``error`` (nothing could arrive for them).
         """
 
     @abstractmethod
@@ -253,7 +255,8 @@ class UcxConnector(Connector):
         self._held_bytes = 0
         self._waiters: dict[str, _Wait] = {}
         """key -> (future, source, its withdraw callback)."""
-        self._refused: OrderedDict[str, None] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()
+        """Prefixes discarded with ``refuse_later``, oldest first, with why."""
         self._gone: OrderedDict[str, None] = OrderedDict()
         """Peers that left and have not joined again (a wait for their keys fails at once)."""
         self._orphan_timers: set[asyncio.TimerHandle] = set()
@@ -349,10 +352,15 @@ class UcxConnector(Connector):
         """See :meth:`Connector.wait_for`.  With ``source``, only that peer's payload for ``key``
         is delivered: others' are refused (their sender's ``put`` fails with
         :class:`TransferRefused` if it is still unacknowledged), and if ``source`` has left
-        already the future fails at once with :class:`PeerLost`."""
+        already the future fails at once with :class:`PeerLost`; so does one for a key of a
+        cleaned-up request, with :class:`TransferCancelled` (see :meth:`Connector.discard`)."""
         future: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         if self._closed:
             future.set_exception(ClosedError("connector is closed"))
+            return future
+        refusal = self._refusal(key)
+        if refusal is not None:
+            future.set_exception(refusal)
             return future
         stored = self._take(key, source)
         if stored is not None:
@@ -387,7 +395,7 @@ class UcxConnector(Connector):
     def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False) -> int:
         count = self._release(lambda key: key_prefix(key) == prefix, error)
         if refuse_later:
-            self._refused[prefix] = None
+            self._refused.setdefault(prefix, str(error) if error is not None else "discarded")
             while len(self._refused) > self.options.max_refused:
                 self._refused.popitem(last=False)
         return count
@@ -544,14 +552,22 @@ class UcxConnector(Connector):
         """The live wait a payload for ``key`` from ``peer_id`` goes to (None: nobody waits, it
         is buffered).  Raises :class:`TransferCancelled` for a key of a cleaned-up request and
         :class:`TransferRefused` for a key awaited from another peer."""
-        if self._refused and key_prefix(key) in self._refused:
-            raise TransferCancelled(f"{key!r} belongs to a request that was cleaned up")
+        refusal = self._refusal(key)
+        if refusal is not None:
+            raise refusal
         waiter = self._waiters.get(key)
         if waiter is not None and waiter[0].done():
             return None  # withdrawn; its done callback has not run yet
         if waiter is not None and waiter[1] is not None and waiter[1] != peer_id:
             raise TransferRefused(f"{key!r} is awaited from {waiter[1]!r}, not {peer_id!r}")
         return waiter
+
+    def _refusal(self, key: str) -> TransferCancelled | None:
+        """Why ``key`` is refused (its prefix was discarded with ``refuse_later``); None if it is not."""
+        prefix = key_prefix(key) if self._refused else None
+        if prefix is None or prefix not in self._refused:
+            return None
+        return TransferCancelled(f"{key!r} belongs to a request that was cleaned up: {self._refused[prefix]}")
 
     def _on_batch(self, peer_id: str, meta: bytes, frames: Frames) -> None:
         """Take every item of a batch now (see :mod:`omni_async.batch`), or none: raises

@@ -601,3 +601,82 @@ async def test_a_load_given_up_and_made_again_at_once_asks_for_the_same_chunk(ma
     await asyncio.wait_for(sender.save("r", {"i": 0}, final=True), 5)
     chunk = await asyncio.wait_for(again, 5)
     assert chunk.index == 0 and chunk.data == {"i": 0}
+
+
+def _deliver_with(rx, key, before=None, after=None):
+    """Fault injection in rx's real message sink: ``before()`` / ``after()`` run in the turn
+    the payload for ``key`` is delivered, just before / after the connector takes it."""
+    transport = rx.agent.transport
+    sink = transport.message_sink
+
+    def delivering(peer_id, message_key, meta, frames):
+        if message_key == key and before is not None:
+            before()
+        outcome = sink(peer_id, message_key, meta, frames)
+        if message_key == key and after is not None:
+            after()
+        return outcome
+
+    transport.message_sink = delivering
+
+
+@pytest.mark.parametrize("first", ["given_up", "arrived"])
+async def test_a_load_given_up_in_the_turn_its_chunk_arrives_leaves_the_chunk_to_the_next_load(make_service, first):
+    """A load given up (its future cancelled, as a timeout around it does) in the same loop turn
+    as its chunk's arrival, either one first: the sender has its acknowledgement, and the next
+    load gets that chunk at once, the stream going on in order (the request was cleaned up as
+    abandoned out of order and the chunk dropped: the next load waited for chunk 0 again until
+    the stall deadline)."""
+    tx, rx, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=5))
+    abandoned = receiver.load_async("r")
+    if first == "given_up":
+        _deliver_with(rx, "r:thinker:0", before=abandoned.cancel)
+    else:
+        _deliver_with(rx, "r:thinker:0", after=abandoned.cancel)
+    await asyncio.wait_for(sender.save("r", {"i": 0}), 5)  # acknowledged: delivered
+    assert abandoned.cancelled()
+    again = receiver.load_async("r")
+    assert again.done() and again.result().index == 0 and again.result().data == {"i": 0}
+    await asyncio.wait_for(sender.save("r", {"i": 1}, final=True), 5)
+    last = await asyncio.wait_for(receiver.load("r"), 2)
+    assert (last.index, last.data, last.final) == (1, {"i": 1}, True)
+    assert receiver.active_requests == 0 and rx.connector.buffered == (0, 0)
+
+
+@pytest.mark.parametrize("final", [False, True])
+async def test_a_load_cancelled_after_its_chunk_was_handed_to_it_leaves_the_chunk_to_the_next_load(
+        make_service, final):
+    """``load()`` cancelled once its chunk resolved its future but before it resumed (a timeout
+    around it firing in that turn): the chunk goes to the next load, final or not (the
+    CancelledError took it along: the next load waited for the chunk after it, to the stall
+    deadline)."""
+    tx, rx, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=5))
+    loop = asyncio.get_running_loop()
+    loading = asyncio.ensure_future(receiver.load("r"))
+    await asyncio.sleep(0)  # it waits for chunk 0
+    # queued behind the callbacks that settle its future, ahead of its resumption:
+    _deliver_with(rx, "r:thinker:0", after=lambda: loop.call_soon(loading.cancel))
+    await asyncio.wait_for(sender.save("r", {"i": 0}, final=final), 5)
+    with pytest.raises(asyncio.CancelledError):
+        await loading
+    again = receiver.load_async("r")
+    assert again.done() and (again.result().index, again.result().data, again.result().final) == (0, {"i": 0}, final)
+    assert receiver.active_requests == (0 if final else 1)
+
+
+async def test_a_request_cleaned_up_as_its_load_was_abandoned_fails_later_loads_at_once(make_service):
+    """The first of two loads made ahead is abandoned: the request cannot stay in order and is
+    cleaned up; a later load of it fails at once with TransferCancelled saying why (it started
+    again at chunk 0 and waited out the stall deadline for a chunk that is refused)."""
+    tx, rx, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=5))
+    first, second = receiver.load_async("r"), receiver.load_async("r")
+    first.cancel()
+    with pytest.raises(TransferCancelled, match="abandoned out of order"):
+        await asyncio.wait_for(second, 2)
+    started = time.monotonic()
+    with pytest.raises(TransferCancelled, match="cleaned up: a load of 'r' was abandoned out of order"):
+        await asyncio.wait_for(receiver.load("r"), 2)
+    assert time.monotonic() - started < 1
+    with pytest.raises(TransferCancelled):  # and its chunks are refused
+        await asyncio.wait_for(sender.save("r", {"i": 0}), 5)
+    assert receiver.active_requests == 0 and rx.connector.waiting == 0
