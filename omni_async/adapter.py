@@ -342,7 +342,9 @@ class TransferAdapter:
         state.next_index = index + 1
         state.latest = None  # (a load that still waits is no longer the latest)
         self._rearm(request_id, None)
-        if not isinstance(chunk, Chunk):
+        if isinstance(chunk, TransferCancelled):  # (the only error _unwrap gives for one: the sender's cancel)
+            self._cancelled_by_sender(request_id)
+        elif not isinstance(chunk, Chunk):
             self.cleanup(request_id)
         elif chunk.final:
             self._ended(request_id, state)
@@ -409,7 +411,10 @@ class TransferAdapter:
             chunk = self._unwrap(request_id, index, envelope)
         if not isinstance(chunk, Chunk):
             _fail_load(result, chunk)
-            self.cleanup(request_id)
+            if error is None and isinstance(chunk, TransferCancelled):  # the sender's cancel
+                self._cancelled_by_sender(request_id)
+            else:
+                self.cleanup(request_id)
             return
         result.set_result(chunk)
         if state is not None and result in state.waiters:
@@ -512,6 +517,20 @@ class TransferAdapter:
                 if not waiter.done():
                     _fail_load(waiter, error)
         self.connector.discard(f"{request_id}:{self.stage}:", error, refuse_later=True)
+
+    def _cancelled_by_sender(self, request_id: str) -> None:
+        """A load took the sender's cancel, the last chunk of its stream (every earlier one was
+        taken): loads made beyond it fail, and the request is forgotten; but what is buffered
+        under its keys is kept, and what comes later taken (not refused, as after a cleanup):
+        it can only be a new stream the sender started under the same id, which it may reuse
+        once it cancelled, and it has the acknowledgements of those chunks already."""
+        error = TransferCancelled(f"request {request_id!r} was cancelled by its sender")
+        state = self._forget(request_id)
+        if state is not None:
+            for waiter in state.waiters:
+                if not waiter.done():
+                    _fail_load(waiter, error)
+        self.connector.discard(f"{request_id}:{self.stage}:", error, keep_buffered=True)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request on both sides: local waiters fail, and if this side was sending

@@ -117,11 +117,12 @@ class Connector(ABC):
             raise DeadlineExceeded(f"no payload for {key!r} within {timeout}s") from None
 
     @abstractmethod
-    def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False) -> int:
-        """Drop buffered payloads and fail waits whose key is ``prefix`` followed by an index
-        (decimal digits, see :func:`key_prefix`); return how many.  A key that merely starts
-        with ``prefix`` is not one of them (request ``"a:s:x"``'s keys ``"a:s:x:s:0"`` are not
-        under request ``"a"``'s prefix ``"a:s:"``).
+    def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False,
+                keep_buffered: bool = False) -> int:
+        """Drop buffered payloads (unless ``keep_buffered``) and fail waits whose key is
+        ``prefix`` followed by an index (decimal digits, see :func:`key_prefix`); return how
+        many.  A key that merely starts with ``prefix`` is not one of them (request
+        ``"a:s:x"``'s keys ``"a:s:x:s:0"`` are not under request ``"a"``'s prefix ``"a:s:"``).
 
         With ``refuse_later``, payloads under that prefix that arrive afterwards are refused
         (their sender's ``put`` fails with ``TransferCancelled``) instead of buffered, and waits
@@ -392,8 +393,9 @@ class UcxConnector(Connector):
         if entry is not None and entry[0] is future:
             del self._waiters[key]
 
-    def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False) -> int:
-        count = self._release(lambda key: key_prefix(key) == prefix, error)
+    def discard(self, prefix: str, error: OmniAsyncError | None = None, *, refuse_later: bool = False,
+                keep_buffered: bool = False) -> int:
+        count = self._release(lambda key: key_prefix(key) == prefix, error, buffered=not keep_buffered)
         if refuse_later:
             self._refused.setdefault(prefix, str(error) if error is not None else "discarded")
             while len(self._refused) > self.options.max_refused:
@@ -409,10 +411,11 @@ class UcxConnector(Connector):
         self._orphan_timers.clear()
         self._release(lambda key: True, ClosedError("connector closed"))
 
-    def _release(self, chosen: Callable[[str], bool], error: OmniAsyncError | None) -> int:
-        """Drop the buffered payloads and fail the waits of the ``chosen`` keys; return how many."""
+    def _release(self, chosen: Callable[[str], bool], error: OmniAsyncError | None, *, buffered: bool = True) -> int:
+        """Drop the buffered payloads (if ``buffered``) and fail the waits of the ``chosen``
+        keys; return how many."""
         count = 0
-        for key in [k for k in self._stored if chosen(k)]:
+        for key in [k for k in self._stored if buffered and chosen(k)]:
             for stored in list(self._stored[key].values()):
                 self._drop(stored, error or TransferCancelled(f"{key!r} discarded"))
                 count += 1

@@ -205,6 +205,31 @@ async def test_sender_cancel_reaches_the_receiver(make_service):
         await asyncio.wait_for(waiter, 5)
 
 
+async def test_a_request_id_reused_after_the_senders_cancel_keeps_its_new_chunks(make_service):
+    """The sender cancels a request and starts a new one under the same id (its index back to
+    0) before the receiver took the cancel: the new chunk 0 was buffered and acknowledged, and
+    taking the cancel cleaned the request up, dropping it (the sender told it was delivered,
+    the receiver's next load waiting out the stall timeout).  The cancel ends the old stream
+    only: loads made beyond it fail, the new stream's chunks are kept and loaded."""
+    _, rx, sender, receiver = await linked(make_service, rx_adapter=AdapterOptions(stall_timeout=2.0))
+    await sender.save("r", {"old": 0})
+    assert (await asyncio.wait_for(receiver.load("r"), 5)).data == {"old": 0}
+    beyond = [receiver.load_async("r") for _ in range(2)]  # the cancel, and one past it
+    sender.cancel("r")
+    for load in beyond:
+        with pytest.raises(TransferCancelled, match="cancelled by its sender"):
+            await asyncio.wait_for(load, 5)
+    await sender.save("q", {"old": 0})
+    assert (await asyncio.wait_for(receiver.load("q"), 5)).data == {"old": 0}
+    sender.cancel("q")
+    await asyncio.wait_for(asyncio.gather(*sender._unsettled), 5)  # the cancel, buffered
+    await asyncio.wait_for(sender.save("q", {"new": 0}, final=True), 5)  # a new stream under the id: acknowledged
+    with pytest.raises(TransferCancelled, match="cancelled by its sender"):
+        await asyncio.wait_for(receiver.load("q"), 5)
+    assert [c.data async for c in receiver.stream("q")] == [{"new": 0}]
+    assert receiver.active_requests == 0 and rx.connector.buffered == (0, 0)
+
+
 async def test_abandoned_load_keeps_the_stream_usable(make_service):
     _, _, sender, receiver = await linked(make_service)
     with pytest.raises(TimeoutError):
