@@ -269,6 +269,10 @@ class Goodbye(_Msg, tag="g", frozen=True):
     peer leaves in order, and close the lane once they have the other's and nothing is pending."""
 
 
+MIN_RING_CAPACITY: Final = 1 << 18
+"""Smallest ring a :class:`RingOffer` may offer: one whose records carry any data header (a
+record's payload is at most half the ring less its 8-byte frame; the largest, a pooled
+message's header, is a length-prefixed header of up to :data:`MAX_HEADER_BYTES`)."""
 MAX_POOL_BYTES: Final = (1 << 30) + 64
 """Largest shared pool a :class:`RingOffer` may offer: a 1 GiB arena (``shared_pool_mib``'s
 largest) and its 64-byte control line."""
@@ -278,13 +282,14 @@ class RingOffer(_Msg, tag="ring", frozen=True):
     """A peer on this host offers a ring for the headers this side sends it (see
     :mod:`omni_async.transport.samehost`): the sealed memfd ``fd`` of process ``pid`` named by
     ``token`` holds a ring of ``capacity`` data bytes; ``wake_fd`` is the write end of the pipe
-    it sleeps on; large chunk frames may be copied straight into its ``pool``."""
+    it sleeps on; large chunk frames may be copied straight into its ``pool``.  A ring below
+    :data:`MIN_RING_CAPACITY` breaks the protocol (the offer does not decode)."""
 
     pid: Annotated[int, msgspec.Meta(ge=1, le=(1 << 31) - 1)]
     fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
     token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
     wake_fd: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
-    capacity: Annotated[int, msgspec.Meta(ge=64, le=1 << 30)]
+    capacity: Annotated[int, msgspec.Meta(ge=MIN_RING_CAPACITY, le=1 << 30)]
     pool: Annotated[int, msgspec.Meta(ge=0, le=MAX_POOL_BYTES)] = 0
     """Bytes of a shared receive pool after the ring in the same memfd (its control line and
     arena, :class:`~omni_async.transport.pool.SharedPool`); 0: none."""

@@ -3,6 +3,7 @@ addresses and a handshake flood, while a healthy peer keeps transferring at full
 
 import asyncio
 import gc
+import logging
 import os
 from collections import Counter
 
@@ -267,6 +268,41 @@ async def test_a_key_offer_on_a_removed_peers_draining_lane_starts_no_vetting(ma
         b.transport._on_rkey_offer(link, RkeyOffer([b"\x00" * 9]))  # as when it comes now
         assert link.keying is None
         assert not [t for t in asyncio.all_tasks() if t.get_name() == "omni-rkeys-rogue" and not t.done()]
+
+
+def warnings_about(caplog, peer_id: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and peer_id in r.getMessage()]
+
+
+async def test_an_offer_of_a_ring_too_small_for_every_header_drops_the_peer(make_agent, caplog):
+    """A same-host peer offers a real, mappable ring of 64 bytes, whose records carry 24 bytes
+    (a write of a few runs needs more): a protocol violation, the peer is dropped, logged once.
+    Before, the ring was taken, and a later ``write_blocks`` to the peer raised an untyped
+    ValueError after copying its rows, leaving its transfer in flight with no handle."""
+    from omni_async.memfd import SharedSegment
+    from omni_async.transport.ring import ring_size
+    from omni_async.wire import HEADER_TAG, RingOffer, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    segment = SharedSegment(ring_size(64))
+    read, write = os.pipe()
+    try:
+        async with Rogue.join(b.control_address, host_id=b.transport.host_id) as rogue:
+            link = b.transport.links["rogue"]
+            assert link.ring_in is not None  # a peer on b's host: b offered it a ring
+            offer = RingOffer(pid=os.getpid(), fd=segment.fd, token=segment.token, wake_fd=write, capacity=64)
+            with caplog.at_level(logging.WARNING):
+                rogue.send(encode_header(offer), HEADER_TAG)
+                async with asyncio.timeout(5):
+                    while "rogue" in b.peers and link.ring_out is None:
+                        await asyncio.sleep(0.01)
+                assert link.ring_out is None and "rogue" not in b.peers
+            assert len(warnings_about(caplog, "rogue")) == 1
+    finally:
+        os.close(read)
+        os.close(write)
+        segment.close()
 
 
 @pytest.mark.parametrize("flood", ["messages", "writes"])

@@ -26,6 +26,8 @@ from .test_shared import dev_shm, mapped, open_fds_to
 pytestmark = pytest.mark.timeout(90)
 
 CAPACITY = 256
+SMALL_RING = 1 << 18
+"""The smallest ring a peer may offer (``wire.MIN_RING_CAPACITY``)."""
 
 
 def ring(capacity=CAPACITY):
@@ -699,7 +701,7 @@ async def test_drain_delivers_every_published_record_now_but_never_inside_a_turn
             nested.append(len(got))
 
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), deliver, lambda exc: None, lambda: False,
-                                     capacity=1 << 16)
+                                     capacity=SMALL_RING)
     sender = samehost.RingSender(receiver.offer())
     try:
         for i in range(600):  # more than one turn takes
@@ -726,10 +728,10 @@ async def test_an_offer_of_a_pool_that_is_not_one_is_refused_before_any_mapping(
 
     with pytest.raises(ValueError, match="shared pool"):
         samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None, lambda exc: None,
-                              lambda: False, capacity=1 << 16, pool_bytes=pool)
+                              lambda: False, capacity=SMALL_RING, pool_bytes=pool)
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None,
-                                     lambda exc: None, lambda: False, capacity=1 << 16)
-    forged = SharedSegment(ring_size(1 << 16) + pool)  # a ring memfd of exactly that layout
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
+    forged = SharedSegment(ring_size(SMALL_RING) + pool)  # a ring memfd of exactly that layout
     try:
         offer = msgspec.structs.replace(receiver.offer(), fd=forged.fd, token=forged.token, pool=pool)
         before = mapped(forged.token)  # the segment's own mapping
@@ -763,8 +765,8 @@ async def test_an_offer_of_a_ring_with_a_forged_head_is_refused_and_leaves_nothi
     from omni_async.transport.shared import Refused
 
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None,
-                                     lambda exc: None, lambda: False, capacity=1 << 16)
-    forged = SharedSegment(ring_size(1 << 16))
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
+    forged = SharedSegment(ring_size(SMALL_RING))
     forged.array[:8] = np.frombuffer(struct.pack("<Q", 252), np.uint8)  # head: not a record boundary
     try:
         offer = msgspec.structs.replace(receiver.offer(), fd=forged.fd, token=forged.token)
@@ -775,6 +777,43 @@ async def test_an_offer_of_a_ring_with_a_forged_head_is_refused_and_leaves_nothi
         assert fd_targets() == fds  # the pipe opened through /proc was closed again
     finally:
         forged.close()
+        receiver.close()
+
+
+async def test_an_offer_of_a_ring_too_small_for_every_header_is_refused_before_any_mapping():
+    """A ring whose records cannot carry every header (a 64-byte one carries 24 bytes: a write
+    of a few runs does not fit) is refused before anything is mapped: its offer does not decode
+    (a protocol violation), a sender is never made for one (a put of a header it cannot hold
+    raised an untyped ValueError out of ``write_blocks``, after the rows were copied) and a
+    receiver never offers one.  The smallest that may be offered carries the largest header."""
+    import msgspec
+
+    from omni_async.errors import ProtocolError
+    from omni_async.memfd import SharedSegment
+    from omni_async.transport.shared import Refused
+    from omni_async.wire import MAX_HEADER_BYTES, decode_framed
+
+    assert max_payload(SMALL_RING) >= MAX_HEADER_BYTES > max_payload(SMALL_RING // 2)
+    with pytest.raises(ValueError, match="every header"):
+        samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None, lambda exc: None,
+                              lambda: False, capacity=SMALL_RING // 2)
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None,
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
+    try:
+        assert decode_framed(encode_header(receiver.offer()))[0] == receiver.offer()
+        for capacity in (64, SMALL_RING // 2):
+            forged = SharedSegment(ring_size(capacity))  # a real ring of that size, mappable
+            try:
+                offer = msgspec.structs.replace(receiver.offer(), fd=forged.fd, token=forged.token, capacity=capacity)
+                with pytest.raises(ProtocolError, match=f">= {SMALL_RING}"):
+                    decode_framed(encode_header(offer))
+                before, fds = mapped(forged.token), fd_targets()
+                with pytest.raises(Refused, match="every header"):
+                    samehost.RingSender(offer)
+                assert mapped(forged.token) == before and fd_targets() == fds
+            finally:
+                forged.close()
+    finally:
         receiver.close()
 
 
@@ -790,7 +829,7 @@ async def test_a_bug_in_batch_done_does_not_stop_the_ring():
             raise RuntimeError("a bug")
 
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
-                                     lambda exc: None, lambda: False, capacity=1 << 16, batch_done=batch_done)
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING, batch_done=batch_done)
     sender = samehost.RingSender(receiver.offer())
     try:
         assert sender.send(samehost.KIND_HEADER, [b"one"])
@@ -816,7 +855,7 @@ async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_th
     or once the time is up, it sleeps: no turns while idle."""
     got: list[bytes] = []
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
-                                     lambda exc: None, lambda: False, capacity=1 << 16)
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
     receiver.lost_core = float("inf")  # a loaded host may take its core away mid-spin: not here
     sender = samehost.RingSender(receiver.offer())
     try:
@@ -857,7 +896,7 @@ async def test_a_receiver_that_loses_its_core_while_staying_awake_sleeps_and_is_
     scheduler run it at once; polling would only take the core from whoever needs it)."""
     got: list[bytes] = []
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
-                                     lambda exc: None, lambda: False, capacity=1 << 16)
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
     receiver.lost_core = 0.0  # every spin counts as one that lost the core
     sender = samehost.RingSender(receiver.offer())
     try:
@@ -889,7 +928,7 @@ async def test_a_lingering_receiver_takes_the_next_record_without_a_wake_up_then
     window passes with nothing, it sleeps: no turns while idle."""
     got: list[bytes] = []
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
-                                     lambda exc: None, lambda: False, capacity=1 << 16)
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
     receiver.lost_core = float("inf")  # a loaded host may take its core away mid-spin: not here
     receiver.linger = 0.5
     sender = samehost.RingSender(receiver.offer())
@@ -920,7 +959,7 @@ async def test_lingering_stops_once_it_no_longer_pays_and_is_off_by_default():
     default: a peer in this process) it never polls after a record."""
     got: list[bytes] = []
     receiver = samehost.RingReceiver(asyncio.get_running_loop(), lambda kind, payload: got.append(bytes(payload)),
-                                     lambda exc: None, lambda: False, capacity=1 << 16)
+                                     lambda exc: None, lambda: False, capacity=SMALL_RING)
     receiver.lost_core = float("inf")
     sender = samehost.RingSender(receiver.offer())
 

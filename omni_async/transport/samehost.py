@@ -43,7 +43,7 @@ from typing import Final
 
 from ..errors import ProtocolError
 from ..memfd import SharedSegment
-from ..wire import RingOffer
+from ..wire import MAX_HEADER_BYTES, RingOffer
 from .pool import PoolWriter, SharedPool, is_pool_size
 from .ring import Consumer, Part, Producer, RingError, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
@@ -78,6 +78,13 @@ LOST_CORE: Final = 4 * SPIN
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
+def is_ring_capacity(capacity: int) -> bool:
+    """Whether a ring of ``capacity`` data bytes may be offered: a power of two whose records
+    carry every header (a pooled record's, length-prefixed, is up to ``MAX_HEADER_BYTES``;
+    :data:`~omni_async.wire.MIN_RING_CAPACITY` is the smallest)."""
+    return capacity > 0 and not capacity & (capacity - 1) and max_payload(capacity) >= MAX_HEADER_BYTES
+
+
 Deliver = Callable[[int, memoryview], None]
 """``deliver(kind, payload)``: one record; the view is valid only during the call.  Raising
 :class:`ProtocolError` drops the peer."""
@@ -105,6 +112,8 @@ class RingReceiver:
         batch_done: Callable[[], None] | None = None,
         pool_bytes: int = 0,
     ) -> None:
+        if not is_ring_capacity(capacity):
+            raise ValueError(f"a ring of {capacity} bytes (not a power of two whose records carry every header)")
         if pool_bytes and not is_pool_size(pool_bytes):
             raise ValueError(f"a shared pool of {pool_bytes} bytes (not a control line and whole frame slots)")
         self.capacity = capacity
@@ -308,15 +317,16 @@ class RingReceiver:
 class RingSender:
     """Writes records into a peer's :class:`RingReceiver` (mapped from its offer).
 
-    Raises :class:`~.shared.Refused` (or :class:`OSError`) if the offer cannot be mapped, or
-    its ring is not as a new one is (a head that is no record boundary, or past
-    :data:`~.ring.MAX_HEAD`).
+    Raises :class:`~.shared.Refused` (or :class:`OSError`) if the offer cannot be mapped, its
+    ring cannot carry every header (:func:`is_ring_capacity`: so :meth:`send` never meets a
+    header record it cannot hold), or is not as a new one is (a head that is no record
+    boundary, or past :data:`~.ring.MAX_HEAD`).
     """
 
     def __init__(self, offer: RingOffer) -> None:
         capacity = offer.capacity
-        if capacity & (capacity - 1):
-            raise Refused(f"a ring of {capacity} bytes (not a power of two)")
+        if not is_ring_capacity(capacity):
+            raise Refused(f"a ring of {capacity} bytes (not a power of two whose records carry every header)")
         pool = offer.pool
         if pool and not is_pool_size(pool):
             raise Refused(f"a shared pool of {pool} bytes (not a control line and whole frame slots)")
