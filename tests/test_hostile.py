@@ -305,6 +305,46 @@ async def test_an_offer_of_a_ring_too_small_for_every_header_drops_the_peer(make
         segment.close()
 
 
+@pytest.mark.parametrize("first", ["mappable", "unmappable"])
+async def test_a_second_ring_offer_drops_the_peer_and_an_unmappable_one_is_logged_once(make_agent, caplog, first):
+    """A link takes one ring offer.  A first one that cannot be mapped (a peer in another mount
+    namespace makes such in good faith) is logged once and the link stays on UCX; any offer
+    after the first, mappable or not, breaks the protocol: the peer is dropped, logged once.
+    Before, each further offer was a warning of its own (each unmappable one /proc look-ups
+    too) and the peer was never dropped."""
+    import msgspec
+
+    from omni_async.transport.samehost import RingReceiver
+    from omni_async.wire import HEADER_TAG, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    ring = RingReceiver(asyncio.get_running_loop(), lambda kind, payload: None, lambda exc: None, lambda: False)
+    offer = ring.offer() if first == "mappable" else msgspec.structs.replace(ring.offer(), token="0" * 32)
+    try:
+        async with Rogue.join(b.control_address, host_id=b.transport.host_id) as rogue:
+            link = b.transport.links["rogue"]
+            with caplog.at_level(logging.WARNING):
+                rogue.send(encode_header(offer), HEADER_TAG)
+                async with asyncio.timeout(5):
+                    while link.ring_out is None and not warnings_about(caplog, "rogue"):
+                        await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)
+                assert "rogue" in b.peers and (link.ring_out is None) == (first == "unmappable")
+                assert len(warnings_about(caplog, "rogue")) == (first == "unmappable")
+                for _ in range(200):
+                    rogue.send(encode_header(offer), HEADER_TAG)
+                async with asyncio.timeout(5):
+                    while "rogue" in b.peers:
+                        await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # the rest of the offers arrive
+            assert link.ring_out is None
+            warned = warnings_about(caplog, "rogue")
+            assert len(warned) == 1 + (first == "unmappable") and "a second ring offer" in warned[-1], warned
+    finally:
+        ring.close()
+
+
 @pytest.mark.parametrize("flood", ["messages", "writes"])
 async def test_announced_payloads_that_never_come_are_bounded(make_agent, flood):
     """Headers whose payloads never come: the receiver drops the peer at its bounds (chunk

@@ -101,6 +101,8 @@ class PeerLink:
     :mod:`.samehost`); None: they come over UCX."""
     ring_out: RingSender | None = None
     """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
+    ring_offered: bool = False
+    """The peer offered its ring (one offer per link: a second breaks the protocol)."""
     parked: deque[Message] = field(default_factory=deque)
     """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
     remote_keys: list[int] | None = None

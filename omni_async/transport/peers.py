@@ -113,9 +113,19 @@ class Peers(TransportCore):
         link.lane.send(encode_header(ring.offer()), HEADER_TAG, ignore)
 
     def _on_ring_offer(self, link: PeerLink, offer: RingOffer) -> None:
-        """The peer offers its ring: send through it from now on (if it can be mapped)."""
-        if link.ring_out is not None or link.ring_in is None:
-            log.warning("ignored a ring offer from %s (not a same-host link, or a second one)", link.peer.peer_id)
+        """The peer offers its ring: send through it from now on, if it can be mapped.  A link
+        takes one offer: a second breaks the protocol (the peer is dropped).  One that cannot be
+        mapped (a peer in another mount namespace offers such in good faith), or that comes on
+        a link that is no same-host one here, is logged and the link stays on UCX.  Nothing on a
+        removed peer's draining lane (its rings are gone)."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return
+        if link.ring_offered:
+            self._drop(link, ProtocolError("a second ring offer"))
+            return
+        link.ring_offered = True
+        if link.ring_in is None:
+            log.warning("ignored a ring offer from %s (not a same-host link here)", link.peer.peer_id)
             return
         try:
             link.ring_out = RingSender(offer)
