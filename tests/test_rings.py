@@ -137,6 +137,21 @@ def test_wrap_marker_and_framing_errors_are_typed():
         consumer.take()
 
 
+def test_a_consumer_bounded_by_a_published_head_takes_nothing_published_after_it():
+    """``take(until)`` with a head read by ``published()`` stops at the records published by
+    then (a drain's bound); a head no producer could have published is a RingError there."""
+    buffer, producer, consumer = ring()
+    assert producer.put(1, [b"a"]) and producer.put(1, [b"b"])
+    until = consumer.published()
+    assert producer.put(1, [b"c"])
+    assert [bytes(consumer.take(until)[1]) for _ in range(2)] == [b"a", b"b"] and consumer.take(until) is None
+    assert bytes(consumer.take()[1]) == b"c"
+    for head in (CAPACITY + 8, 8):  # more than the ring holds; behind what was taken
+        struct.pack_into("<Q", buffer, 0, head)
+        with pytest.raises(RingError, match="head"):
+            consumer.published()
+
+
 def test_the_producer_wakes_a_sleeping_consumer_once_per_sleep():
     _, producer, consumer = ring()
     assert consumer.sleep() is False
@@ -713,6 +728,78 @@ async def test_drain_delivers_every_published_record_now_but_never_inside_a_turn
     finally:
         sender.close()
         receiver.close()
+
+
+async def test_drain_takes_only_what_was_published_before_it_and_turns_take_the_rest():
+    """A peer that refills its ring as fast as records are taken cannot hold the loop in
+    drain(): it delivers the records published before it was called (all that the header
+    which made it drain can refer to), and leaves those published meanwhile to the turns,
+    which yield between batches; nothing is lost, in order.  Before, drain() went on as
+    long as whole batches came (a peer that kept its ring full held the loop for seconds)."""
+    got: list[bytes] = []
+    refills = 20_000  # each record delivered makes the peer publish another, this many times
+
+    def deliver(kind: int, payload: memoryview) -> None:
+        got.append(bytes(payload))
+        if len(got) <= refills:
+            assert sender.send(samehost.KIND_HEADER, [b"%d" % (600 + len(got) - 1)])
+
+    receiver = samehost.RingReceiver(asyncio.get_running_loop(), deliver, lambda exc: None, lambda: False,
+                                     capacity=SMALL_RING)
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        for i in range(600):  # more than one batch
+            assert sender.send(samehost.KIND_HEADER, [b"%d" % i])
+        receiver.drain()
+        assert got == [b"%d" % i for i in range(600)]  # (before: 600 + refills)
+        async with asyncio.timeout(5):
+            while len(got) < 600 + refills:
+                await asyncio.sleep(0)
+        assert got == [b"%d" % i for i in range(600 + refills)]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_a_peer_that_keeps_its_ring_full_cannot_hold_the_loop_in_drain(make_agent):
+    """A same-host peer in another process writes records into our ring as fast as it can,
+    then a header comes over UCX that makes us drain the ring first (its Goodbye): drain()
+    takes what was published before it and returns; the loop is held for well under the
+    flood.  Before, it went on while the peer refilled the ring: held for the whole flood
+    (heartbeats stopped: other peers dropped us)."""
+    import json
+    import subprocess
+    import sys
+
+    import msgspec
+
+    a, b = await pair(make_agent)
+    flood = 3.0
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    offer = msgspec.json.encode(b.transport.links["a"].ring_in.offer()).decode()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.helpers.rogue", "ring-flood", offer, str(flood), cwd=root,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert json.loads(await asyncio.wait_for(child.stdout.readline(), 30)) == {"mapped": True}
+        child.stdin.write(b"go\n")
+        await child.stdin.drain()
+        await asyncio.sleep(0.3)  # the flood is on: turns take it a batch at a time, and yield
+        assert "a" in b.peers
+        a.transport.links["b"].lane.send(encode_header(Goodbye()), HEADER_TAG, lambda _error: None)
+        started = time.monotonic()
+        await asyncio.sleep(0.01)  # the Goodbye arrives: b drains, then removes a
+        await asyncio.sleep(0.01)
+        held = time.monotonic() - started
+        assert held < flood / 3, f"the loop was held {held:.2f}s (a flood of {flood}s)"
+        assert child.returncode is None  # still flooding
+        async with asyncio.timeout(5):
+            while "a" in b.peers:
+                await asyncio.sleep(0.01)
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
 
 
 @pytest.mark.parametrize("pool", [1, 64, 64 + 65])

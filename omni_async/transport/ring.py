@@ -71,6 +71,8 @@ def max_payload(capacity: int) -> int:
     return capacity // 2 - _FRAME.size
 
 
+NO_BOUND: Final = 1 << 64
+"""A head no ring reaches (its counters are u64s): :meth:`Consumer.take` unbounded."""
 MAX_HEAD: Final = 1 << 62
 """The highest head a producer starts from (a ring is made with 0): its counters stay far from
 the u64 they are stored in (a ring moving 10 GB/s reaches it in 14 years)."""
@@ -181,13 +183,24 @@ class Consumer(_Ring):
         """True if the producer published bytes not taken yet (cheap: one load)."""
         return self._ctl[_HEAD] != self._cursor
 
-    def take(self) -> tuple[int, memoryview] | None:
-        """The next record as ``(kind, payload view)``, or None if none is published; raises
-        :class:`RingError` if the producer broke the framing (then drop the ring)."""
+    def published(self) -> int:
+        """The producer's head now: every record published so far ends at or before it (pass
+        it to :meth:`take` to leave later ones for later).  Raises :class:`RingError` for a
+        head behind the records taken, or ahead of them by more than the ring holds."""
+        head = int(self._ctl[_HEAD])
+        if not 0 <= head - self._cursor <= self.capacity - (self._cursor - self._tail):
+            raise RingError(f"the producer's head is {head - self._cursor} bytes past the consumer")
+        return head
+
+    def take(self, until: int = NO_BOUND) -> tuple[int, memoryview] | None:
+        """The next record as ``(kind, payload view)``, or None if none is published (none
+        before ``until``, a head from :meth:`published`); raises :class:`RingError` if the
+        producer broke the framing (then drop the ring)."""
         capacity = self.capacity
         while True:
             cursor = self._cursor
-            available = self._ctl[_HEAD] - cursor
+            head = self._ctl[_HEAD]
+            available = (head if head < until else until) - cursor
             if available == 0:
                 return None
             if not 0 < available <= capacity - (cursor - self._tail) or available & 7:

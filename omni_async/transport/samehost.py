@@ -45,7 +45,7 @@ from ..errors import ProtocolError
 from ..memfd import SharedSegment
 from ..wire import MAX_HEADER_BYTES, RingOffer
 from .pool import PoolWriter, SharedPool, is_pool_size
-from .ring import Consumer, Part, Producer, RingError, max_payload, ring_size
+from .ring import NO_BOUND, Consumer, Part, Producer, RingError, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
 from .turns import NextTurn, SpinGate, spin
 
@@ -244,19 +244,25 @@ class RingReceiver:
             self._linger_until = 0.0
 
     def drain(self) -> None:
-        """Deliver every record published so far, now (before acting on something that came
-        another way: the peer's goodbye, its loss, a header that refers to earlier records).
-        Does nothing inside a turn (the turn delivers them) or once closed."""
+        """Deliver every record published before this call, now (before acting on something
+        that came another way, after the peer put them: its goodbye, its loss, a header that
+        refers to earlier records).  Records published meanwhile are left to the turns, which
+        yield between batches: a peer that keeps its ring full cannot hold the loop here
+        (at most a ring's worth is taken).  Does nothing inside a turn (the turn delivers
+        them) or once closed."""
         if self._closed or self._delivering:
             return
         try:
-            while self._take_batch() == _BATCH and not self._closed:
+            until = self._consumer.published()
+            while self._take_batch(until) == _BATCH and not self._closed:
                 pass
         except ProtocolError as exc:
             self.close()
             self._fault(exc)
 
-    def _take_batch(self) -> int:
+    def _take_batch(self, until: int = NO_BOUND) -> int:
+        """Deliver at most a batch of the records published (before ``until``, a head from
+        :meth:`.Consumer.published`); returns how many."""
         consumer = self._consumer
         take, commit, deliver = consumer.take, consumer.commit, self._deliver
         delivered = 0
@@ -264,7 +270,7 @@ class RingReceiver:
         self._delivering = True
         try:
             while delivered < _BATCH:
-                record = take()
+                record = take(until)
                 if record is None:
                     break
                 try:

@@ -5,6 +5,12 @@ In-process: ``async with Rogue.join(address) as rogue`` (the agent sees a peer `
 
 ``python -m tests.helpers.rogue flood ADDRESS`` joins, prints ``{"joined": true}`` and then
 sends valid empty chunk messages as fast as it can until killed.
+
+``python -m tests.helpers.rogue ring-flood OFFER_JSON SECONDS`` maps the same-host ring a
+:class:`~omni_async.wire.RingOffer` names (a real one, of an agent on this host), prints
+``{"mapped": true}``, and on a line on stdin writes harmless records into it (answers, with a
+reason, to a transfer that does not exist) as fast as it can for SECONDS, waking the receiver
+when it sleeps.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,13 +31,16 @@ from omni_async.transport.lane import Lane, new_context
 from omni_async.wire import (
     HEADER_TAG,
     PROTOCOL_VERSION,
+    Ack,
     Heartbeat,
     Hello,
     MessageHeader,
+    RingOffer,
     Welcome,
     decode_control,
     encode_control,
     encode_header,
+    encode_record,
 )
 
 
@@ -90,7 +100,24 @@ async def _flood(address: str) -> None:
             await asyncio.sleep(0)
 
 
+def _ring_flood(offer_json: str, seconds: float) -> None:
+    import msgspec
+
+    from omni_async.transport.samehost import KIND_HEADER, RingSender
+
+    sender = RingSender(msgspec.json.decode(offer_json, type=RingOffer))
+    record = encode_record(Ack(1 << 40, "failed", "x" * 1000))
+    print(json.dumps({"mapped": True}), flush=True)
+    sys.stdin.readline()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(100):
+            sender.send(KIND_HEADER, (record,))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if sys.argv[1] == "flood":
         asyncio.run(_flood(sys.argv[2]))
+    elif sys.argv[1] == "ring-flood":
+        _ring_flood(sys.argv[2], float(sys.argv[3]))
