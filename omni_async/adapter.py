@@ -510,13 +510,8 @@ class TransferAdapter:
         ``error``.  Only this request's keys are concerned, not those of one whose id extends
         its key prefix (see :func:`~omni_async.connector.key_prefix`).
         """
-        error = error or TransferCancelled(f"request {request_id!r} cleaned up")
-        state = self._forget(request_id)
-        if state is not None:
-            for waiter in state.waiters:
-                if not waiter.done():
-                    _fail_load(waiter, error)
-        self.connector.discard(f"{request_id}:{self.stage}:", error, refuse_later=True)
+        self._drop_request(request_id, error or TransferCancelled(f"request {request_id!r} cleaned up"),
+                           refuse_later=True)
 
     def _cancelled_by_sender(self, request_id: str) -> None:
         """A load took the sender's cancel, the last chunk of its stream (every earlier one was
@@ -524,13 +519,20 @@ class TransferAdapter:
         under its keys is kept, and what comes later taken (not refused, as after a cleanup):
         it can only be a new stream the sender started under the same id, which it may reuse
         once it cancelled, and it has the acknowledgements of those chunks already."""
-        error = TransferCancelled(f"request {request_id!r} was cancelled by its sender")
+        self._drop_request(request_id, TransferCancelled(f"request {request_id!r} was cancelled by its sender"),
+                           keep_buffered=True)
+
+    def _drop_request(self, request_id: str, error: OmniAsyncError, *, refuse_later: bool = False,
+                      keep_buffered: bool = False) -> None:
+        """Forget the request, fail its waiting loads with ``error`` and release its keys in the
+        connector (with ``refuse_later`` and ``keep_buffered``: see :meth:`Connector.discard`)."""
         state = self._forget(request_id)
         if state is not None:
             for waiter in state.waiters:
                 if not waiter.done():
                     _fail_load(waiter, error)
-        self.connector.discard(f"{request_id}:{self.stage}:", error, keep_buffered=True)
+        self.connector.discard(f"{request_id}:{self.stage}:", error, refuse_later=refuse_later,
+                               keep_buffered=keep_buffered)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request on both sides: local waiters fail, and if this side was sending

@@ -229,16 +229,22 @@ async def test_three_agents_find_each_other_and_a_killed_one_vanishes_then_rejoi
     await asyncio.wait_for(a.agent.write_blocks("b", [0], [0]), 10)
 
 
-async def test_losing_etcd_keeps_peers_and_transfers_then_discovery_resumes(
-        etcd: LocalEtcd, make_service: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("WARNING", logger="omni_async.discovery.etcd")
-    group = "outage"
+async def joined_pair(etcd: LocalEtcd, make_service: Callable[..., Any], group: str) -> tuple[Any, Any, list[PeerEvent]]:
+    """Services ``a`` and ``c`` of ``group``, joined through discovery, and the ``left`` events
+    either sees from then on."""
     a = await make_service("a", discovery=discovery(etcd, group))
     c = await make_service("c", discovery=discovery(etcd, group))
     await until(lambda: "c" in a.agent.peers and "a" in c.agent.peers, 20, "a and c to join")
     left: list[PeerEvent] = []
     for service in (a, c):
         service.agent.add_peer_listener(lambda event: left.append(event) if event.kind == "left" else None)
+    return a, c, left
+
+
+async def test_losing_etcd_keeps_peers_and_transfers_then_discovery_resumes(
+        etcd: LocalEtcd, make_service: Callable[..., Any], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="omni_async.discovery.etcd")
+    a, c, left = await joined_pair(etcd, make_service, "outage")
     a.region.array[:] = np.random.default_rng(5).integers(0, 256, a.region.array.shape, dtype=np.uint8)
     stop = asyncio.Event()
     done = 0
@@ -285,13 +291,7 @@ async def test_an_etcd_paused_past_the_ttl_drops_no_joined_peer(
     again: each card vanishes, though every agent lives.  A joined peer answers heartbeats;
     its card's vanishing is no sign of its death: the pair stays joined, transfers go on, and
     the cards are back once both agents registered again."""
-    group = "paused"
-    a = await make_service("a", discovery=discovery(etcd, group))
-    c = await make_service("c", discovery=discovery(etcd, group))
-    await until(lambda: "c" in a.agent.peers and "a" in c.agent.peers, 20, "a and c to join")
-    left: list[PeerEvent] = []
-    for service in (a, c):
-        service.agent.add_peer_listener(lambda event: left.append(event) if event.kind == "left" else None)
+    a, c, left = await joined_pair(etcd, make_service, "paused")
     paused = etcd.pid
     os.kill(paused, signal.SIGSTOP)
     try:
