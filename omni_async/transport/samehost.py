@@ -78,6 +78,7 @@ LOST_CORE: Final = 4 * SPIN
 _BATCH: Final = 256
 """Records taken per run before yielding to the loop (a flooding peer cannot hold it)."""
 
+
 def is_ring_capacity(capacity: int) -> bool:
     """Whether a ring of ``capacity`` data bytes may be offered: a power of two whose records
     carry every header (a pooled record's, length-prefixed, is up to ``MAX_HEADER_BYTES``;
