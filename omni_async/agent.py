@@ -288,7 +288,8 @@ class Agent(Startable):
 
     def set_notice_sink(self, sink: NoticeSink | None) -> None:
         """The callback form of :meth:`notices`: ``sink(notice)`` is called for each new
-        notice; the sender's write settles once it returns (or its awaitable completes)."""
+        notice; the sender's write settles once it returns (or its awaitable completes: that
+        runs as a task of the agent's, cancelled by :meth:`close` if still running)."""
         self.transport.notices.sink = sink
 
     def send_message(self, peer_id: str, key: str, meta: bytes, frames: Sequence[Any]) -> Transfer:

@@ -13,11 +13,13 @@ from omni_async import (
     DeadlineExceeded,
     InvalidNotice,
     Notice,
+    OmniAsyncError,
     PeerLost,
     ProtocolError,
     TransferCancelled,
 )
 from omni_async.transport.notices import NoticeBook, NoticeQueue
+from omni_async.transport.sink_tasks import SinkTasks
 from omni_async.wire import (
     HEADER_TAG,
     MAX_HEADER_BYTES,
@@ -78,7 +80,7 @@ def test_book_lost_fails_everything_pending_in_order_and_bounds_hold():
 
 
 async def test_queue_full_holds_releases_in_order_and_drops_nothing():
-    queue = NoticeQueue(2)
+    queue = NoticeQueue(2, SinkTasks())
     released = []
     for i in range(5):
         queue.offer(Notice("p", (i,), b"%d" % i), lambda i=i: released.append(i))
@@ -432,3 +434,36 @@ async def test_a_payload_receive_ucx_fails_is_the_peers_loss(make_agent):
     assert isinstance(got[0].failed, PeerLost), got[0].failed
     with pytest.raises(PeerLost):
         await asyncio.wait_for(write, 5)
+
+
+@pytest.mark.parametrize("sink", ["notice", "message"])
+async def test_what_a_sink_still_awaits_is_cancelled_and_ended_when_the_agent_closes(make_agent, sink):
+    """An async sink (notice or message) runs as a task of the agent's: ``close()`` cancels it
+    and waits for its end.  It was a task nobody held: still pending after both agents closed
+    (and destroyed pending, or cut off at the loop's end, whenever that came)."""
+    a = await make_agent(peer_id="a")
+    b = await make_agent(peer_id="b")
+    await asyncio.wait_for(a.connect(b.control_address), 5)
+    await asyncio.wait_for(b.wait_for_peer("a"), 5)
+    started, ended = asyncio.Event(), []
+
+    async def forever(*_args: object) -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(True)
+
+    if sink == "notice":
+        b.set_notice_sink(forever)
+        transfer = a.write_blocks("b", [1], [1], notice=b"n")
+    else:
+        b.set_message_sink(forever)
+        transfer = a.send_message("b", "key", b"", [np.zeros(8, np.uint8)])
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.wait_for(b.close(), 15)
+    assert ended == [True]
+    assert [t for t in asyncio.all_tasks() if "sink" in t.get_name() and not t.done()] == []
+    await asyncio.wait_for(a.close(), 15)
+    with pytest.raises(OmniAsyncError):
+        await transfer

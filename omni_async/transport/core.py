@@ -65,6 +65,7 @@ from .protocol import GiveUp
 from .ring import RingError
 from .rma import Registration
 from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED
+from .sink_tasks import SinkTasks
 from .transfer import CancelMode, Transfer
 from .vetting import shared_vetter
 
@@ -102,7 +103,9 @@ class TransportCore(ABC):
         self.config = config
         self.metrics = metrics
         self.message_sink: MessageSink | None = None
-        self.notices = NoticeQueue(config.notice_queue)
+        self.sink_tasks = SinkTasks()
+        """The tasks of async notice and message sinks (ended by :meth:`close`)."""
+        self.notices = NoticeQueue(config.notice_queue, self.sink_tasks)
         """Notices of incoming writes, for the application (see :mod:`.notices`)."""
         self._fault = fault
         self._loop = asyncio.get_running_loop()

@@ -284,7 +284,8 @@ class Messages(TransportCore):
             return
         if pending is not None and inspect.isawaitable(pending):
             answer = partial(self._answer, link, transfer_id, "messages", nbytes)
-            asyncio.ensure_future(pending).add_done_callback(partial(self._sink_done, answer))
+            sink_task = self.sink_tasks.start(pending, f"omni-message-sink-{link.peer.peer_id}")
+            sink_task.add_done_callback(partial(self._sink_done, answer))
         elif ring:
             self.metrics.answered("messages", nbytes, "ok", link.peer.peer_id)
             link.acks.append(transfer_id)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..errors import OmniAsyncError, ProtocolError, TransferFailed
+from .sink_tasks import SinkTasks
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -161,13 +162,15 @@ class NoticeQueue:
     :meth:`offer` queues a notice and calls ``release`` (which sends the held
     acknowledgements) once it is in the queue; while the queue is full offers wait, in order,
     and their senders' transfers stay unsettled.  With a sink set (:attr:`sink`) new notices go
-    to it instead, and are released when it is done with them.  Nothing is ever dropped:
+    to it instead, and are released when it is done with them (an async sink's task runs in
+    ``sink_tasks``).  Nothing is ever dropped:
     what waits is bounded by the senders' windows.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, sink_tasks: SinkTasks) -> None:
         self.capacity = capacity
         self.sink: NoticeSink | None = None
+        self._sink_tasks = sink_tasks  # what an async sink returned runs there
         self._queue: deque[Notice] = deque()
         self._waiting: deque[tuple[Notice, Callable[[], None]]] = deque()
         self._changed = asyncio.Event()
@@ -219,8 +222,7 @@ class NoticeQueue:
         self._closed = True
         self._changed.set()
 
-    @staticmethod
-    def _to_sink(sink: NoticeSink, notice: Notice, release: Callable[[], None]) -> None:
+    def _to_sink(self, sink: NoticeSink, notice: Notice, release: Callable[[], None]) -> None:
         try:
             pending = sink(notice)
         except Exception:
@@ -230,7 +232,7 @@ class NoticeQueue:
         if pending is None or not inspect.isawaitable(pending):
             release()
             return
-        future = asyncio.ensure_future(pending)
+        future = self._sink_tasks.start(pending, f"omni-notice-sink-{notice.peer_id}")
 
         def finished(task: asyncio.Future[None]) -> None:
             if not task.cancelled() and task.exception() is not None:

@@ -277,6 +277,7 @@ class Peers(TransportCore):
         await asyncio.gather(*(lane.wait_closed() for lane in list(self._closing)))
         if self._keyings:
             await asyncio.wait(list(self._keyings))
+        await self.sink_tasks.close()  # what the application's async sinks still await
         registration, self._registration = self._registration, None
         if registration is not None:  # no lane is left to put into the regions
             registration.close()
