@@ -18,11 +18,13 @@ from omni_async import (
     ProtocolError,
     TransferCancelled,
 )
+from omni_async.transport.lane import _RNDV_THRESH_SHM
 from omni_async.transport.notices import NoticeBook, NoticeQueue
 from omni_async.transport.sink_tasks import SinkTasks
 from omni_async.wire import (
     HEADER_TAG,
     MAX_HEADER_BYTES,
+    MAX_PENDING_PAYLOADS,
     RUNS_PER_REQUEST,
     Abort,
     Commit,
@@ -153,6 +155,27 @@ async def test_notices_come_in_write_order_and_split_writes_yield_one(make_agent
     assert b.transport.notices.get_nowait() is None  # nothing more, nothing twice
 
 
+async def test_notices_come_in_write_order_when_a_header_goes_by_rendezvous(make_agent):
+    """Over UCX shared memory a header of 8 KiB or more (a write of 2,000 scattered runs) goes
+    by rendezvous: its receive completes after those of the small headers that arrived behind
+    it.  Headers are handled in arrival order all the same: notices come in write order."""
+    blocks = {"num_blocks": 8192, "block_len": 64}
+    a, b = await pair(make_agent, False, rx=blocks, tx=blocks)
+    fill(a)
+    scattered = list(range(0, 4000, 2))
+    header = encode_header(WriteRequest(1, 0, [(row, 1) for row in scattered], notice=b"big0"))
+    assert len(header) >= _RNDV_THRESH_SHM  # by rendezvous: both agents are on this host, over shared memory
+    writes = []
+    for i in range(4):
+        writes.append(a.write_blocks("b", scattered, scattered, notice=b"big%d" % i))
+        writes.append(a.write_blocks("b", [4001 + i], [4001 + i], notice=b"small%d" % i))
+    await asyncio.wait_for(asyncio.gather(*writes), 10)
+    got = await take_notices(b, 8)
+    assert [n.data for n in got] == [b"%s%d" % (kind, i) for i in range(4) for kind in (b"big", b"small")]
+    assert not any(n.failed for n in got)
+    assert np.array_equal(b.region.array[scattered], a.region.array[scattered])
+
+
 async def test_intents_wait_behind_noticed_headers_sent_over_ucx(make_agent):
     """With no room in the ring, a same-host write with a notice travels over UCX; the
     intents of the writes after it wait until it is answered (a ring record would overtake
@@ -251,6 +274,44 @@ async def test_abort_after_part_of_a_write_yields_a_failed_notice_with_its_rows(
         notice = await anext(b.notices())
     assert notice.remote_idxs == (7,) and isinstance(notice.failed, PeerLost)
     assert time.monotonic() - started < FAST["heartbeat_timeout"] + 1.0
+
+
+async def test_an_abort_behind_its_writes_rendezvous_header_fails_that_write_only(make_agent):
+    """A write with a notice split in two requests (the receiver's ``max_write_blocks``), whose
+    first header goes by rendezvous (~10 KiB), is cancelled while its second waits for the
+    sender's window (held by the receiver's slow message sink): its ``Abort``, small and eager,
+    arrives right behind the first header and is handled after it.  The write yields one
+    failed notice with the rows of its first part, and the peer's later writes with notices
+    are notified and acknowledged (an ``Abort`` handled first was ignored as unknown, and every
+    later notice of the peer waited behind the write for good)."""
+    tx = {"num_blocks": 8192, "block_len": 64, "heartbeat_timeout": 30.0}
+    a, b = await pair(make_agent, False, rx={**tx, "max_write_blocks": 2000}, tx=tx)
+    loop = asyncio.get_running_loop()
+    held: list[asyncio.Future[None]] = []
+
+    def slow_sink(_peer, _key, _meta, _frames):
+        held.append(loop.create_future())
+        return held[-1]  # acknowledged when it completes: the sender's window stays taken
+
+    b.set_message_sink(slow_sink)
+    frame = np.zeros(1, np.uint8)
+    messages = [a.send_message("b", f"k{i}", b"", [frame]) for i in range(MAX_PENDING_PAYLOADS - 1)]
+    async with asyncio.timeout(30):
+        while len(held) < len(messages):
+            await asyncio.sleep(0.05)
+    rows = list(range(0, 8000, 2))  # 4,000 scattered blocks: two requests of 2,000 runs
+    split = a.write_blocks("b", rows, rows, notice=b"split")
+    split.cancel("immediate")  # part 0 is on the wire, part 1 waits for the window
+    with pytest.raises(TransferCancelled):
+        await split
+    for future in held:
+        future.set_result(None)  # the reader catches up: the window frees
+    await asyncio.wait_for(asyncio.gather(*messages), 10)
+    await asyncio.wait_for(a.write_blocks("b", [8001], [8001], notice=b"later"), 5)
+    failed, later = await take_notices(b, 2)
+    assert failed.data == b"split" and isinstance(failed.failed, TransferCancelled)
+    assert failed.remote_idxs == tuple(rows[:2000])
+    assert later == Notice("a", (8001,), b"later")
 
 
 async def test_intent_is_answered_on_its_commit_and_stray_commits_drop_the_peer(make_agent):

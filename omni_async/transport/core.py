@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 ACK_BATCH = 16
 """Most acknowledgements held back while a ring batch is being taken: enough to spare most
 records and wake-up checks, few enough that the sender's window keeps moving."""
+RECEIVING: Final = object()
+"""The outcome of a header in :attr:`PeerLink.headers` whose receive has not completed yet."""
 FaultCallback = Callable[[str, OmniAsyncError], None]
 """``fault(peer_id, error)``: the transport dropped a peer on its own (protocol violation, a
 broken lane, or the peer's Goodbye); the owner forgets it too."""
@@ -329,7 +331,9 @@ class TransportCore(ABC):
             self._drop(link, ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}"))
             return
         buffer = np.empty(length, np.uint8)
-        link.lane.recv_arrived(buffer, message, partial(self._on_header, link, buffer))
+        slot = [buffer, RECEIVING]
+        link.headers.append(slot)  # its place in arrival order
+        link.lane.recv_arrived(buffer, message, partial(self._header_received, link, slot))
 
     def _data_arrived(self, link: PeerLink, tag: int, length: int, message: Any) -> None:
         try:
@@ -382,7 +386,23 @@ class TransportCore(ABC):
             link.lane.recv_arrived_many(buffers, take[0], done)
         return True
 
+    def _header_received(self, link: PeerLink, slot: list[Any], error: BaseException | None) -> None:
+        """A header's receive completed (``error``: it failed; a closing lane fails every one):
+        it, and the completed ones behind it, are handled once every header that arrived before
+        it was, so headers are handled in tag order, however long each receive took (a header
+        of 8 KiB or more goes by rendezvous over shared memory and completes after the smaller
+        ones that arrived behind it)."""
+        slot[1] = error
+        headers = link.headers
+        while headers and headers[0][1] is not RECEIVING:
+            buffer, outcome = headers.popleft()
+            try:
+                self._on_header(link, buffer, outcome)
+            except Exception:  # a handler's bug must not leave the headers behind it waiting
+                log.exception("handling a header from %s failed", link.peer.peer_id)
+
     def _on_header(self, link: PeerLink, buffer: npt.NDArray[np.uint8], error: BaseException | None) -> None:
+        """One header received over the lane (``error``: its receive failed), in arrival order."""
         if error is not None:
             return  # the lane is closing; liveness is the control plane's job
         try:

@@ -10,6 +10,7 @@ import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -90,6 +91,11 @@ class PeerLink:
     they are answered, no intent goes into the ring (it could overtake them)."""
     held: deque[tuple[int, bool, Callable[[], None]]] = field(default_factory=deque)
     """Requests with a notice waiting, in order, for ``lane_noticed`` to empty."""
+    headers: deque[list[Any]] = field(default_factory=deque)
+    """The headers probed on the lane and not handled yet, in arrival order: ``[buffer,
+    outcome]`` each, ``outcome`` :data:`~.core.RECEIVING` until its receive completes, then its
+    error or None.  Handled from the front only, so in tag order (a rendezvous header completes
+    after smaller ones that arrived behind it); a closing lane fails every receive, emptying it."""
     intents: dict[tuple[int, int], tuple[Completion, OmniAsyncError | None]] = field(default_factory=dict)
     """The peer's intents (placed requests with a notice, or large ones) by ``(transfer,
     part)``, awaiting their :class:`~omni_async.wire.Commit`: what answers each, and the
