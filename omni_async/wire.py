@@ -60,6 +60,13 @@ MAX_LAYERS: Final = 256
 """Most regions in a region set (a block index moves its block in each)."""
 READ_RUNS_PER_REQUEST: Final = 2048
 """Most runs in one :class:`ReadRequest` (three 9-byte integers a run in the worst case)."""
+MAX_NOTICE_RUNS: Final = 1 << 18
+"""Most runs one write with a notice names once split into requests (its receiver keeps every
+part's runs until the write is notified; so also its most parts): a sender refuses a larger
+one locally (``InvalidBlocks``), a receiver drops a peer that sends one."""
+NOTICE_BOOK_RUNS: Final = 4 * MAX_NOTICE_RUNS
+"""Most runs a receiver keeps per peer for its writes with notices not notified yet (each part
+counts its runs, at least one): four of the largest writes at once, ~64 MiB; more drops the peer."""
 MAX_NOTICE_BYTES: Final = 4096
 """Largest notice a write request may carry (a worst-case request still fits
 :data:`MAX_HEADER_BYTES` with it); a receiver announces its own limit, at most this."""

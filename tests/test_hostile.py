@@ -395,3 +395,37 @@ async def test_a_flooding_peer_does_not_starve_the_others(make_agent):
     finally:
         proc.kill()
         await proc.wait()
+
+
+@pytest.mark.parametrize("grow", ["parts", "one write", "writes"])
+async def test_a_peer_cannot_grow_its_notice_book_without_bound(make_agent, caplog, grow):
+    """Placed writes with a notice whose parts are each committed at once: the receiver keeps
+    every part's runs until the write is notified.  A write of more than MAX_NOTICE_RUNS parts,
+    one of more runs, or a peer's writes of more than NOTICE_BOOK_RUNS runs in all drop the
+    peer (logged once).  Before, only ``part < parts`` (up to 2**63) and the number of writes
+    were checked: 11.2 MiB of headers made the receiver keep 3.9 M runs (+282 MiB RSS), the
+    peer stayed joined."""
+    from omni_async.wire import HEADER_TAG, MAX_NOTICE_RUNS, NOTICE_BOOK_RUNS, Commit, WriteRequest, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", heartbeat_timeout=30.0)
+    runs = [(i % 64, 1) for i in range(2600)]  # a header < 8 KiB: eager, handled in order
+    per_write = {"parts": 2**62, "one write": MAX_NOTICE_RUNS, "writes": MAX_NOTICE_RUNS // len(runs)}[grow]
+    async with Rogue.join(b.control_address) as rogue:
+        link = b.transport.links["rogue"]
+        with caplog.at_level(logging.WARNING):
+            for i in range(NOTICE_BOOK_RUNS // len(runs) + 1):
+                transfer_id, part = divmod(i, per_write - 1)  # the last part never comes
+                rogue.send(encode_header(WriteRequest(transfer_id, 0, runs, placed=True, notice=b"n", part=part,
+                                                      parts=per_write)), HEADER_TAG)
+                rogue.send(encode_header(Commit(transfer_id, part)), HEADER_TAG)
+                if i % 50 == 0:
+                    await asyncio.sleep(0.01)
+                if "rogue" not in b.peers:
+                    break
+            async with asyncio.timeout(5):
+                while "rogue" in b.peers:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the rest of the headers arrive
+        assert link.notices.runs <= NOTICE_BOOK_RUNS and len(link.notices) == 0
+        assert len(warnings_about(caplog, "rogue")) == 1, warnings_about(caplog, "rogue")

@@ -22,6 +22,8 @@ def blocks_of(runs):
 def test_split_keeps_every_block_in_order_within_limits(runs, max_blocks, max_runs):
     requests = split_runs(runs, max_blocks, max_runs)
     assert blocks_of([run for request in requests for run in request]) == blocks_of(runs)
+    # check_notice_runs' bound on the runs a split makes
+    assert sum(map(len, requests)) <= len(runs) + sum(length for _l, _r, length in runs) // max_blocks
     for request in requests:
         assert 1 <= len(request) <= max_runs
         assert sum(length for _local, _remote, length in request) <= max_blocks

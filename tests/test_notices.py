@@ -11,6 +11,7 @@ import pytest
 
 from omni_async import (
     DeadlineExceeded,
+    InvalidBlocks,
     InvalidNotice,
     Notice,
     OmniAsyncError,
@@ -25,6 +26,7 @@ from omni_async.wire import (
     HEADER_TAG,
     MAX_HEADER_BYTES,
     MAX_PENDING_PAYLOADS,
+    MAX_NOTICE_RUNS,
     RUNS_PER_REQUEST,
     Abort,
     Commit,
@@ -79,6 +81,37 @@ def test_book_lost_fails_everything_pending_in_order_and_bounds_hold():
     lost = book.lost(PeerLost("bye"))
     assert [(n.remote_idxs, n.data, type(n.failed)) for n in lost] == [((1,), b"a", PeerLost), ((2,), b"b", PeerLost)]
     assert len(book) == 0
+
+
+def test_book_bounds_the_runs_and_parts_it_keeps():
+    """A write has at most MAX_NOTICE_RUNS parts and runs, a peer's book at most ``max_runs``
+    runs (a part counts at least one); the runs of notified or lost writes are given back."""
+    book: NoticeBook[str] = NoticeBook("p", 8, max_runs=4)
+    with pytest.raises(ProtocolError):
+        book.seen(1, 0, MAX_NOTICE_RUNS + 1, [(0, 1)], b"a")
+    book.seen(1, 0, 2, [(0, 1), (2, 1)], b"a")
+    book.seen(2, 0, 1, [], b"b")  # a refused part counts one
+    with pytest.raises(ProtocolError):
+        book.seen(1, 1, 2, [(4, 1), (6, 1)], b"a")  # 5 runs > 4
+    assert book.runs == 3
+    book.seen(1, 1, 2, [(4, 1)], b"a")
+    book.done(1, None, "a0")
+    book.done(1, None, "a1")
+    assert book.runs == 1  # write 1 notified
+    book.lost(PeerLost("bye"))
+    assert book.runs == 0
+    big = NoticeBook[str]("p", 8)
+    big.seen(3, 0, 2, [(0, 1)] * (MAX_NOTICE_RUNS - 1), b"c")
+    with pytest.raises(ProtocolError):
+        big.seen(3, 1, 2, [(0, 1)] * 2, b"c")  # the write over MAX_NOTICE_RUNS
+
+
+async def test_a_write_with_a_notice_of_too_many_runs_fails_locally(make_agent):
+    a, b = await pair(make_agent, False)
+    many = [0] * (MAX_NOTICE_RUNS + 1)  # one row, again and again: a run each
+    with pytest.raises(InvalidBlocks, match="runs exceeds"):
+        a.write_blocks("b", many, many, notice=b"n")
+    assert a.transport.in_flight() == [] and "a" in b.peers
 
 
 async def test_queue_full_holds_releases_in_order_and_drops_nothing():

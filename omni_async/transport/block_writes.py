@@ -35,7 +35,7 @@ from ..wire import (
 )
 from .core import TransportCore, carry_out
 from .iov import iov_of_runs
-from .limits import check_notice, split_runs
+from .limits import check_notice, check_notice_runs, split_runs
 from .link import PeerLink
 from .ring import RingError
 from .rma import puts_of_runs
@@ -71,7 +71,8 @@ class BlockWrites(TransportCore):
         """Write local blocks into the peer's blocks; the returned transfer settles on its ack.
 
         Raises at once, before any byte moves: :class:`UnknownPeer`, :class:`InvalidBlocks`
-        (unequal lengths, an index out of range or not an int), :class:`InvalidNotice` (a
+        (unequal lengths, an index out of range or not an int, a write with a notice of more than
+        :data:`~omni_async.wire.MAX_NOTICE_RUNS` runs), :class:`InvalidNotice` (a
         ``notice`` over the peer's ``max_notice_bytes``), :class:`TypeError` (a notice that is
         not bytes), :class:`ClosedError`.
         A write larger than the receiver takes in one request goes out as several.
@@ -87,6 +88,8 @@ class BlockWrites(TransportCore):
         if notice is not None:
             notice = check_notice(notice, link.peer.max_notice_bytes)
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        if notice is not None:
+            check_notice_runs(runs, len(local_idxs), link.peer.max_write_blocks)
         return self._write_runs(link, runs, len(local_idxs), notice)
 
     def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:

@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import InvalidMessage, InvalidNotice
+from ..errors import InvalidBlocks, InvalidMessage, InvalidNotice
 from ..region import Run
 from ..wire import (
     MAX_FRAMES,
     MAX_KEY,
     MAX_META_BYTES,
+    MAX_NOTICE_RUNS,
     MAX_PENDING_PAYLOADS,
     MIN_RECEIVE_BUDGET,
     RUNS_PER_REQUEST,
@@ -101,6 +102,16 @@ def split_runs(
     if batch:
         requests.append(batch)
     return requests
+
+
+def check_notice_runs(runs: Sequence[Run], blocks: int, max_blocks: int) -> None:
+    """Raise :class:`~omni_async.errors.InvalidBlocks` unless a write with a notice of ``runs``
+    (``blocks`` in all) has at most :data:`~omni_async.wire.MAX_NOTICE_RUNS` runs once
+    :func:`split_runs` splits it for a receiver of ``max_blocks`` (a run is cut only where a
+    request reached ``max_blocks`` blocks: at most ``blocks // max_blocks`` cuts)."""
+    most = len(runs) + blocks // max_blocks
+    if most > MAX_NOTICE_RUNS:
+        raise InvalidBlocks(f"a write with a notice of {most} runs exceeds {MAX_NOTICE_RUNS}")
 
 
 def check_key(key: Any) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ..errors import OmniAsyncError, ProtocolError, TransferFailed
+from ..wire import MAX_NOTICE_RUNS, NOTICE_BOOK_RUNS
 from .sink_tasks import SinkTasks
 
 T = TypeVar("T")
@@ -55,6 +56,8 @@ class _Pending(Generic[T]):
     data: bytes
     runs: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """Runs ``(start, count)`` of each part seen, by part number."""
+    size: int = 0
+    """What the parts seen count against the bounds: their runs, at least one a part."""
     done: int = 0
     error: OmniAsyncError | None = None
     aborted: bool = False
@@ -80,15 +83,20 @@ class NoticeBook(Generic[T]):
     request is answered (``ack``: the driver's acknowledgement, opaque here), :meth:`aborted`
     when the sender gave the write up, :meth:`lost` when the peer is gone.  Each returns the
     notices now ready, in write order, with the acknowledgements to send once they are queued.
-    At most ``max_pending`` writes are tracked (the sender's window keeps within it); more is a
-    protocol violation.
+    At most ``max_pending`` writes are tracked (the sender's window keeps within it), at most
+    ``max_runs`` runs in all (each part counts its runs, at least one), and one write has at most
+    :data:`~omni_async.wire.MAX_NOTICE_RUNS` runs and parts (a sender refuses larger ones
+    locally); more is a protocol violation.
     """
 
-    __slots__ = ("_pending", "max_pending", "peer_id")
+    __slots__ = ("_pending", "max_pending", "max_runs", "peer_id", "runs")
 
-    def __init__(self, peer_id: str, max_pending: int) -> None:
+    def __init__(self, peer_id: str, max_pending: int, max_runs: int = NOTICE_BOOK_RUNS) -> None:
         self.peer_id = peer_id
         self.max_pending = max_pending
+        self.max_runs = max_runs
+        self.runs = 0
+        """Runs (at least one a part) of the writes tracked."""
         self._pending: OrderedDict[int, _Pending[T]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -97,17 +105,25 @@ class NoticeBook(Generic[T]):
     def seen(self, transfer_id: int, part: int, parts: int, runs: Sequence[tuple[int, int]], data: bytes) -> None:
         """Request ``part`` of ``parts`` of a write with a notice arrived (``runs``: the rows it
         may write; empty for a refused request).  Raises :class:`ProtocolError` if it
-        contradicts earlier parts or exceeds the bound."""
-        if part >= parts:
-            raise ProtocolError(f"write {transfer_id}: part {part} of {parts}")
+        contradicts earlier parts or exceeds a bound."""
+        if part >= parts or parts > MAX_NOTICE_RUNS:
+            raise ProtocolError(f"write {transfer_id}: part {part} of {parts} (at most {MAX_NOTICE_RUNS} parts)")
         entry = self._pending.get(transfer_id)
         if entry is None:
             if len(self._pending) >= self.max_pending:
                 raise ProtocolError(f"over {self.max_pending} writes with notices pending")
-            entry = self._pending[transfer_id] = _Pending(parts, data)
         elif entry.parts != parts or entry.data != data or part in entry.runs:
             raise ProtocolError(f"write {transfer_id}: part {part} contradicts the parts before it")
+        size = max(len(runs), 1)
+        if (0 if entry is None else entry.size) + size > MAX_NOTICE_RUNS:
+            raise ProtocolError(f"write {transfer_id}: over {MAX_NOTICE_RUNS} runs")
+        if self.runs + size > self.max_runs:
+            raise ProtocolError(f"over {self.max_runs} runs of writes with notices pending")
+        if entry is None:
+            entry = self._pending[transfer_id] = _Pending(parts, data)
         entry.runs[part] = list(runs)
+        entry.size += size
+        self.runs += size
 
     def done(self, transfer_id: int, error: OmniAsyncError | None, ack: T) -> tuple[bool, list[Ready[T]]]:
         """A request of the write was answered.  Returns ``(held, ready)``: if ``held`` the
@@ -140,6 +156,7 @@ class NoticeBook(Generic[T]):
         """The peer is gone: every write not notified yet fails (in write order); forgets all."""
         notices = [self._notice(entry, entry.error or error) for entry in self._pending.values()]
         self._pending.clear()
+        self.runs = 0
         return notices
 
     def _ready(self) -> list[Ready[T]]:
@@ -149,6 +166,7 @@ class NoticeBook(Generic[T]):
             if not entry.complete():
                 break
             del self._pending[transfer_id]
+            self.runs -= entry.size
             ready.append((self._notice(entry, entry.error), entry.held))
         return ready
 
