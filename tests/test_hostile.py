@@ -429,3 +429,32 @@ async def test_a_peer_cannot_grow_its_notice_book_without_bound(make_agent, capl
             await asyncio.sleep(0.2)  # the rest of the headers arrive
         assert link.notices.runs <= NOTICE_BOOK_RUNS and len(link.notices) == 0
         assert len(warnings_about(caplog, "rogue")) == 1, warnings_about(caplog, "rogue")
+
+
+async def test_payloads_announced_by_no_header_are_bounded_in_bytes(make_agent, caplog):
+    """Over tcp (headers always eager: a legitimate peer's payload never comes before its
+    header) a peer sends 64 KiB payload messages that no header announces: UCX holds each
+    whole.  Past MIN_RECEIVE_BUDGET (64 MiB) of them the peer is dropped, logged once, and they
+    are taken.  Before, only their number was bounded (MAX_PENDING_PAYLOADS = 8,192): 8,000 of
+    them held +535 MiB of the receiver and the peer stayed joined."""
+    from omni_async.wire import MIN_RECEIVE_BUDGET, data_tag
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", ucx_tls="tcp", heartbeat_timeout=30.0)
+    a = await make_agent(peer_id="a", ucx_tls="tcp")
+    await a.connect(b.control_address)
+    payload = np.ones(64 * 1024, np.uint8)
+    async with Rogue.join(b.control_address, tls="tcp") as rogue:
+        link = b.transport.links["rogue"]
+        with caplog.at_level(logging.WARNING):
+            for seq in range(MIN_RECEIVE_BUDGET // payload.nbytes + 16):
+                rogue.send(payload, data_tag(1 << 40 | seq))
+                if seq % 100 == 0:
+                    await asyncio.sleep(0.01)
+            async with asyncio.timeout(10):
+                while "rogue" in b.peers:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the rest of the payloads arrive
+        assert link.inbox.pending == 0 and link.inbox.early_bytes == 0
+        assert len(warnings_about(caplog, "rogue")) == 1, warnings_about(caplog, "rogue")
+    await asyncio.wait_for(healthy_traffic(a, b, 5), 20)

@@ -72,6 +72,29 @@ def test_payloads_without_headers_are_bounded_and_all_handed_back(bound, announc
     assert inbox.pending == 0 and inbox.pending_bytes == 0 and not inbox.expecting
 
 
+@pytest.mark.parametrize("rendezvous", [None, 8])
+def test_payloads_before_their_header_are_bounded_in_bytes(rendezvous):
+    """Early payloads count their bytes (those under ``rendezvous_bytes``: the rest hold no
+    bytes in UCX) until matched; over ``max_early_bytes`` is a violation, handed back whole."""
+    inbox = Inbox(max_bytes=1 << 30, max_early_bytes=20, rendezvous_bytes=rendezvous)
+    lane = FakeLane(inbox)
+    lane.payload(0, 7)
+    if rendezvous is None:
+        with pytest.raises(ProtocolError, match="bytes of payload messages before their header"):
+            lane.payload(1, 1000)
+        assert sorted(inbox.release()) == [("msg", 0), ("msg", 1)] and inbox.early_bytes == 0
+        return
+    lane.payload(1, 1000)  # by rendezvous: not counted
+    assert inbox.early_bytes == 7
+    lane.header(0, 7)  # matched: no longer early
+    assert inbox.early_bytes == 0 and lane.received == {0: "target0"}
+    lane.payload(2, 7)
+    lane.payload(3, 7)
+    with pytest.raises(ProtocolError, match="bytes of payload messages before their header"):
+        lane.payload(4, 7)
+    assert sorted(inbox.release()) == [("msg", seq) for seq in range(1, 5)] and inbox.early_bytes == 0
+
+
 def test_admit_bounds_messages_and_bytes_and_counts_early_payloads_once():
     inbox = Inbox(max_bytes=100, max_pending=4)
     lane = FakeLane(inbox)

@@ -51,7 +51,7 @@ _CLOSE_LINGER = 0.05  # seconds a closed endpoint's worker keeps answering the p
 _CLOSE_TICK = 0.005  # progress interval while (and only while) an endpoint is closing
 
 
-_RNDV_THRESH_SHM = 8192
+RNDV_THRESH_SHM = 8192
 """Bytes from which a message goes by rendezvous over shared memory."""
 _RNDV_THRESH_TCP = 64 * 1024 + 1
 """Bytes from which a message goes by rendezvous over tcp: one 64 KiB block still goes eagerly."""
@@ -112,7 +112,7 @@ def new_context(tls: str, net_devices: str = "") -> Any:
     over tcp cost more than the receiver's copy out of UCX's buffer.
     """
     load_ucxx()
-    config = {"TLS": tls, "RNDV_THRESH": f"intra:{_RNDV_THRESH_SHM},inter:{_RNDV_THRESH_TCP}", **_TCP_SEGMENTS}
+    config = {"TLS": tls, "RNDV_THRESH": f"intra:{RNDV_THRESH_SHM},inter:{_RNDV_THRESH_TCP}", **_TCP_SEGMENTS}
     if tls == "tcp":  # tcp only, even on one host
         config["RNDV_THRESH"] = str(_RNDV_THRESH_TCP)
         config["RNDV_SCHEME"] = "put_zcopy"  # the receiver-pull default is ~3x slower here

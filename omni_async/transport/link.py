@@ -23,7 +23,7 @@ from ..metrics import Kind
 from ..wire import (
     MAX_PENDING_PAYLOADS,
 )
-from .lane import Completion, Lane
+from .lane import RNDV_THRESH_SHM, Completion, Lane
 from .limits import Window
 from .notices import NoticeBook
 from .protocol import Deadlines, Drain, Inbox, Outbox
@@ -136,7 +136,8 @@ class PeerLink:
 
     def __post_init__(self, receive_bytes: int) -> None:
         self.outbox = Outbox(Window(self.peer.max_message_bytes))
-        self.inbox = Inbox(receive_bytes)
+        # A gathering lane is a same-host one (shared memory): a header may go by rendezvous.
+        self.inbox = Inbox(receive_bytes, rendezvous_bytes=RNDV_THRESH_SHM if self.gather else None)
         self.drain = Drain(self.inbox)
         # The sender's window counts each request with a notice as a payload message.
         self.notices = NoticeBook(self.peer.peer_id, 2 * MAX_PENDING_PAYLOADS)

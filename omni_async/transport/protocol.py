@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from ..errors import ProtocolError
-from ..wire import MAX_PENDING_PAYLOADS
+from ..wire import MAX_PENDING_PAYLOADS, MIN_RECEIVE_BUDGET
 from .limits import Window
 from .transfer import CancelMode
 
@@ -37,17 +37,33 @@ class Inbox(Generic[T]):
     handle, opaque here).  Either returns ``(message, target)`` once both are known: the
     driver receives the message into the target.  Bounds: at most ``max_pending`` messages
     pending (announced and not arrived, or arrived before their header), at most ``max_bytes``
-    of buffers :meth:`admit`-ted and not yet :meth:`received`.  Every violation raises
+    of buffers :meth:`admit`-ted and not yet :meth:`received`, and at most ``max_early_bytes``
+    of messages arrived before their header (UCX holds an eager one's bytes until it is taken).
+    Those under ``rendezvous_bytes`` count (None: all of them: a lane whose headers always go
+    eagerly is handled before the payloads behind it, so a legitimate peer has none early); a
+    larger one a legitimate sender sends by rendezvous, which holds only its announcement.
+    On a same-host lane a header of 8 KiB or more goes by rendezvous and the payloads behind it
+    may come first: a legitimate peer's counted ones stay under ``max_pending`` ×
+    ``rendezvous_bytes`` (8,192 × 8 KiB = 64 MiB), within the default ``max_early_bytes`` (the
+    floor of every receive budget, 64 MiB).  Every violation raises
     :class:`ProtocolError`; the driver then drops the peer and calls :meth:`release`, which
     hands back every message it must still take (UCX must not be left holding them).
     """
 
-    __slots__ = ("_early", "_expected", "max_bytes", "max_pending", "pending_bytes")
+    __slots__ = ("_early", "_expected", "early_bytes", "max_bytes", "max_early_bytes", "max_pending",
+                 "pending_bytes", "rendezvous_bytes")
 
-    def __init__(self, max_bytes: int, max_pending: int = MAX_PENDING_PAYLOADS) -> None:
+    def __init__(
+        self, max_bytes: int, max_pending: int = MAX_PENDING_PAYLOADS, *,
+        rendezvous_bytes: int | None = None, max_early_bytes: int = MIN_RECEIVE_BUDGET,
+    ) -> None:
         self.max_bytes = max_bytes
         self.max_pending = max_pending
+        self.max_early_bytes = max_early_bytes
+        self.rendezvous_bytes = rendezvous_bytes
         self.pending_bytes = 0
+        self.early_bytes = 0
+        """Bytes counted of the messages arrived before their header."""
         self._expected: dict[int, tuple[int, T]] = {}
         self._early: dict[int, tuple[int, Any]] = {}
 
@@ -85,6 +101,7 @@ class Inbox(Generic[T]):
         if early is None:
             self._expected[seq] = (length, target)
             return None
+        self.early_bytes -= self._counted(early[0])
         return self._match(seq, early[0], early[1], length, target)
 
     def arrived(self, seq: int, length: int, message: Any) -> tuple[Any, T] | None:
@@ -93,10 +110,17 @@ class Inbox(Generic[T]):
         expected = self._expected.pop(seq, None)
         if expected is None:
             self._early[seq] = (length, message)  # kept first: release() hands it back
+            self.early_bytes += self._counted(length)
             if self.pending > self.max_pending:
                 raise ProtocolError(f"over {self.max_pending} payload messages pending")
+            if self.early_bytes > self.max_early_bytes:
+                raise ProtocolError(f"over {self.max_early_bytes} bytes of payload messages before their header")
             return None
         return self._match(seq, length, message, expected[0], expected[1])
+
+    def _counted(self, length: int) -> int:
+        """What an early message of ``length`` bytes counts against the bound."""
+        return length if self.rendezvous_bytes is None or length < self.rendezvous_bytes else 0
 
     def _match(self, seq: int, length: int, message: Any, announced: int, target: T) -> tuple[Any, T]:
         if length != announced:
@@ -110,6 +134,7 @@ class Inbox(Generic[T]):
         self._early.clear()
         self._expected.clear()
         self.pending_bytes = 0
+        self.early_bytes = 0
         return messages
 
 
