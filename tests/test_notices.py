@@ -19,14 +19,14 @@ from omni_async import (
     ProtocolError,
     TransferCancelled,
 )
-from omni_async.transport.lane import _RNDV_THRESH_SHM
+from omni_async.transport.lane import RNDV_THRESH_SHM
 from omni_async.transport.notices import NoticeBook, NoticeQueue
 from omni_async.transport.sink_tasks import SinkTasks
 from omni_async.wire import (
     HEADER_TAG,
     MAX_HEADER_BYTES,
-    MAX_PENDING_PAYLOADS,
     MAX_NOTICE_RUNS,
+    MAX_PENDING_PAYLOADS,
     RUNS_PER_REQUEST,
     Abort,
     Commit,
@@ -197,7 +197,7 @@ async def test_notices_come_in_write_order_when_a_header_goes_by_rendezvous(make
     fill(a)
     scattered = list(range(0, 4000, 2))
     header = encode_header(WriteRequest(1, 0, [(row, 1) for row in scattered], notice=b"big0"))
-    assert len(header) >= _RNDV_THRESH_SHM  # by rendezvous: both agents are on this host, over shared memory
+    assert len(header) >= RNDV_THRESH_SHM  # by rendezvous: both agents are on this host, over shared memory
     writes = []
     for i in range(4):
         writes.append(a.write_blocks("b", scattered, scattered, notice=b"big%d" % i))
