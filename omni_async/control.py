@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ it said goodbye (it is alive and closing), False when it died or broke the proto
 _HEARTBEAT = encode_control(Heartbeat())
 _LINGER_MS = 200  # time for a goodbye to leave on close
 _MAX_OWNERS = 4096  # peer id -> CURVE key bindings kept (those of joined peers are never evicted)
+_TURN_MESSAGES = 64
+"""Control messages a receive loop handles before it yields to the event loop: pyzmq's receive
+returns a finished future while messages are queued, so a flooding peer (or anyone who can
+reach the port, before any hello) held the loop for as long as it sent."""
 
 
 @dataclass(eq=False)
@@ -296,7 +301,11 @@ class ControlPlane:
 
     # -- tasks ----------------------------------------------------------------------------------
     async def _router_loop(self, router: zmq.asyncio.Socket) -> None:
+        handled = 0
         while True:
+            handled += 1
+            if handled % _TURN_MESSAGES == 0:
+                await asyncio.sleep(0)  # a receive that finds a message queued does not yield
             frames = await router.recv_multipart(copy=False)
             ident = frames[0].bytes
             if len(frames) != 2:
@@ -411,7 +420,11 @@ class ControlPlane:
 
     async def _dealer_loop(self, peer: ControlConnection, dealer: zmq.asyncio.Socket) -> None:
         peer_id = peer.info.peer_id
+        handled = 0
         while True:
+            handled += 1
+            if handled % _TURN_MESSAGES == 0:
+                await asyncio.sleep(0)  # (as in _router_loop)
             payload = await dealer.recv()
             try:
                 msg = decode_control(payload)
@@ -504,10 +517,14 @@ class ControlPlane:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
-        interval_ms = int(self.config.heartbeat_interval * 1000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.heartbeat_timeout * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TTL, int(self.config.heartbeat_timeout * 1000))
+        # Dead TCP connections are torn down by the kernel's keepalive, not by ZeroMQ's own
+        # heartbeats (HEARTBEAT_IVL/TIMEOUT): their timeout firing on a connection whose input
+        # ZeroMQ paused (its queue full: a peer flooding us) aborts the process in libzmq 4.3.5
+        # (`Assertion failed: !_io_error`, stream_engine_base.cpp).  Liveness is ours (Heartbeat).
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, math.ceil(self.config.heartbeat_timeout)))
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         return sock
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -458,3 +458,50 @@ async def test_payloads_announced_by_no_header_are_bounded_in_bytes(make_agent, 
         assert link.inbox.pending == 0 and link.inbox.early_bytes == 0
         assert len(warnings_about(caplog, "rogue")) == 1, warnings_about(caplog, "rogue")
     await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
+
+
+_FLOOD = """
+import sys, time, zmq
+from omni_async.wire import Heartbeat, encode_control
+ctx = zmq.Context()
+socks = [ctx.socket(zmq.DEALER) for _ in range(4)]
+for sock in socks:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(sys.argv[1])
+message = encode_control(Heartbeat())
+print("flooding", flush=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for sock in socks:
+        for _ in range(100):
+            sock.send(message)
+"""
+
+
+async def test_a_control_port_flood_neither_holds_the_loop_nor_aborts_the_process(make_agent, spawn_peer, tmp_path):
+    """Four connections that never say hello send heartbeats as fast as they can for 3 s.  The
+    victim's receive loop handled every queued message before yielding (its loop held for the
+    whole flood: its peers dropped it as silent), and in most runs libzmq aborted the process
+    (SIGABRT, `!_io_error`: ZeroMQ's heartbeat timeout firing on a connection paused by its
+    full queue).  The victim lives, keeps its peer, and serves a write right after."""
+    import sys
+
+    b = await spawn_peer("serve", str(tmp_path / "b.region"), 64, 4096, {"peer_id": "b"})
+    a = await make_agent(peer_id="a")
+    assert await asyncio.wait_for(a.connect(b.info["address"]), 10) == "b"
+    left: list[str] = []
+    a.add_peer_listener(lambda event: left.append(event.peer_id) if event.kind == "left" else None)
+    flood = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FLOOD, b.info["address"], "3", stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    try:
+        assert (await asyncio.wait_for(flood.stdout.readline(), 30)).startswith(b"flooding")
+        await asyncio.wait_for(flood.wait(), 30)
+    finally:
+        if flood.returncode is None:
+            flood.kill()
+            await flood.wait()
+    await asyncio.sleep(0.5)
+    assert b.proc.returncode is None, f"the flood killed the victim (exit status {b.proc.returncode})"
+    assert left == [], "the victim's loop was held: its peer dropped it as silent"
+    await asyncio.wait_for(a.write_blocks("b", [0], [1]), 10)
