@@ -371,18 +371,24 @@ class ControlPlane:
         """Admit ``msg`` (once the handshake ``after``, for the same peer id, ended) and answer
         it.  Cancelled (the dialler said Bye, or closing) while the owner's ``accept`` runs, the
         owner rolls its half back and nothing is admitted."""
+        this = asyncio.current_task()
         if after is not None:
             await asyncio.wait([after])
-            this = self._queued.pop(msg.peer_id)
-            self._admitting[msg.peer_id] = this
+            if self._queued.get(msg.peer_id) is this:
+                del self._queued[msg.peer_id]
+            self._admitting[msg.peer_id] = cast("asyncio.Task[None]", this)
         reply = await self._admit(ident, msg, key)
-        self._handshake_done(ident, msg.peer_id)
+        self._handshake_done(ident, msg.peer_id, this)
         await router.send_multipart([ident, encode_control(reply)])
 
-    def _handshake_done(self, ident: bytes, peer_id: str, _task: object = None) -> None:
-        task = self._handshakes.pop(ident, None)
+    def _handshake_done(self, ident: bytes, peer_id: str, task: object) -> None:
+        """``task``, the handshake of ``peer_id`` on connection ``ident``, is over: out of the
+        tables, where it is itself (its done callback may run after a later hello of the same
+        connection took its place there: that one's entries stay, or they would never go)."""
+        if self._handshakes.get(ident) is task:
+            del self._handshakes[ident]
         for table in (self._admitting, self._queued):
-            if task is not None and table.get(peer_id) is task:
+            if table.get(peer_id) is task:
                 del table[peer_id]
 
     async def _admit(self, ident: bytes, msg: Hello, key: str | None) -> Welcome | Reject:

@@ -156,6 +156,27 @@ async def test_a_second_hello_on_one_connection_is_refused_and_leaks_no_slot(mak
     assert await asyncio.wait_for(a.connect(b.control_address), 10) == "b"
 
 
+async def test_a_handshakes_end_removes_only_its_own_entries(make_agent):
+    """A handshake's done callback runs a loop turn after it answered: a later hello on the same
+    connection may have taken its place in the tables by then.  The callback removed whatever
+    handshake the connection had, and the later one's admission then never went (a review saw
+    4-11 of 40 racing hellos each hold a ``max_peers`` slot for good, and handshake tasks die of
+    a ``KeyError``).  It removes only its own entries."""
+    b = await make_agent(peer_id="b")
+    control, ident = b.control, b"one-connection"
+    first, later = (asyncio.get_running_loop().create_task(asyncio.sleep(10)) for _ in range(2))
+    try:
+        control._handshakes[ident], control._admitting["later"] = later, later
+        control._handshake_done(ident, "first", first)  # the first one's callback, a turn late
+        assert control._handshakes[ident] is later and control._admitting["later"] is later
+        control._handshake_done(ident, "later", later)
+        assert ident not in control._handshakes and "later" not in control._admitting
+    finally:
+        for task in (first, later):
+            task.cancel()
+        await asyncio.gather(first, later, return_exceptions=True)
+
+
 async def test_handshake_flood_is_bounded(make_agent):
     """300 fake peers, each with its own real UCX worker that is destroyed once its handshake
     was answered: the admitted ones become real lost lanes (silent peer, dead worker).  At most
