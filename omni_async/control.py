@@ -27,6 +27,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
@@ -74,6 +75,7 @@ it said goodbye (it is alive and closing), False when it died or broke the proto
 _HEARTBEAT = encode_control(Heartbeat())
 _LINGER_MS = 200  # time for a goodbye to leave on close
 _MAX_OWNERS = 4096  # peer id -> CURVE key bindings kept (those of joined peers are never evicted)
+_MAX_LOGGED = 4096  # connections remembered as logged (see ControlPlane._first_from)
 _TURN_MESSAGES = 64
 """Control messages a receive loop handles before it yields to the event loop: pyzmq's receive
 returns a finished future while messages are queued, so a flooding peer (or anyone who can
@@ -131,7 +133,7 @@ class ControlPlane:
         self._joining: dict[int, ControlConnection] = {}  # dialled, welcomed, not installed or released yet (by id())
         self._by_ident: dict[bytes, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._logged_bad: set[bytes] = set()
+        self._logged: OrderedDict[bytes, None] = OrderedDict()  # connections whose bad input or refusal was logged
         self._handshakes: dict[bytes, asyncio.Task[None]] = {}  # hellos being handled, by ident
         self._admitting: dict[str, asyncio.Task[None]] = {}  # peer id -> the handshake admitting it
         self._queued: dict[str, asyncio.Task[None]] = {}  # peer id -> one handshake waiting for it
@@ -354,7 +356,8 @@ class ControlPlane:
             )
             if error is not None:
                 self.stats.rejected += 1
-                log.warning("rejected peer %r: %s", msg.peer_id, error)
+                if self._first_from(ident):
+                    log.warning("rejected peer %r: %s", msg.peer_id, error)
                 await router.send_multipart([ident, encode_control(reject_for(error))])
                 return
             task = self._spawn(
@@ -405,7 +408,8 @@ class ControlPlane:
             refusal = exc if isinstance(exc, HandshakeRejected) else HandshakeRejected(str(exc))
             self.stats.rejected += 1
             crossed = isinstance(refusal, AlreadyConnected)  # expected when both sides dial
-            log.log(logging.INFO if crossed else logging.WARNING, "rejected peer %r: %s", msg.peer_id, refusal)
+            if crossed or self._first_from(ident):
+                log.log(logging.INFO if crossed else logging.WARNING, "rejected peer %r: %s", msg.peer_id, refusal)
             return reject_for(refusal)
         log.info("accepted peer %s", msg.peer_id)
         return self.identity.welcome(metadata)
@@ -510,13 +514,22 @@ class ControlPlane:
 
     def _bad_input(self, source: bytes, error: ProtocolError) -> None:
         self.stats.protocol_errors += 1
-        if source not in self._logged_bad:
-            if len(self._logged_bad) < 4096:
-                self._logged_bad.add(source)
+        if self._first_from(source):
             log.warning("rejected bad control input from %r: %s", source[:64], error)
         peer_id = self._by_ident.get(source)
         if peer_id is not None:
             self._lose(peer_id, error)
+
+    def _first_from(self, source: bytes) -> bool:
+        """Whether nothing of connection ``source`` was logged yet (bad input and refused hellos
+        are logged once per connection; the last :data:`_MAX_LOGGED` are remembered: once more
+        connections than that misbehaved, each was logged on every message)."""
+        if source in self._logged:
+            return False
+        self._logged[source] = None
+        if len(self._logged) > _MAX_LOGGED:
+            self._logged.popitem(last=False)
+        return True
 
     # -- helpers ---------------------------------------------------------------------------------
     def _socket(self, kind: int) -> zmq.asyncio.Socket:

@@ -177,6 +177,33 @@ async def test_a_handshakes_end_removes_only_its_own_entries(make_agent):
         await asyncio.gather(first, later, return_exceptions=True)
 
 
+async def test_refused_hellos_of_one_connection_are_logged_once(make_agent, caplog):
+    """50 hellos of an unsupported version, then 50 past ``max_peers``, all on one connection:
+    each is refused and counted, one warning in all (each was a warning of its own)."""
+    b = await make_agent(peer_id="b", max_peers=1)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(b.control_address)
+
+    async def refused(count: int, **overrides) -> None:
+        for i in range(count):
+            await sock.send(encode_control(hello(f"p{i}", b"\0" * 16, **overrides)))
+            assert not isinstance(await asyncio.wait_for(answer(sock), 10), Welcome)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="omni_async.control"):
+            await refused(50, version=PROTOCOL_VERSION + 1)
+            a = await make_agent(peer_id="a")
+            await asyncio.wait_for(a.connect(b.control_address), 10)  # b is full now
+            await refused(50)
+    finally:
+        sock.close(0)
+        ctx.term()
+    warnings = [r for r in caplog.records if r.name == "omni_async.control" and r.levelno >= logging.WARNING]
+    assert b.control.stats.rejected == 100 and len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
 async def test_handshake_flood_is_bounded(make_agent):
     """300 fake peers, each with its own real UCX worker that is destroyed once its handshake
     was answered: the admitted ones become real lost lanes (silent peer, dead worker).  At most
