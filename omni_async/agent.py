@@ -25,7 +25,7 @@ from .control import ControlConnection, ControlPlane
 from .errors import AlreadyConnected, ClosedError, HandshakeRejected, OmniAsyncError, PeerLost, ProtocolError
 from .handshake import Connection, LocalIdentity, PeerInfo, Verdict, admit
 from .lifecycle import Startable, started
-from .metrics import Metrics, serve_metrics
+from .metrics import Metrics, MetricsServer, serve_metrics
 from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
 from .session import PeerSession, Phase, SessionEvent
 from .transport import CancelMode, MessageSink, Transfer, UcxTransport
@@ -81,6 +81,7 @@ class Agent(Startable):
         self._transport: UcxTransport | None = None
         self._control: ControlPlane | None = None
         self.metrics = Metrics(self.identity.peer_id)
+        self._metrics_server: MetricsServer | None = None  # /metrics, when this agent serves it
         self._listeners: list[PeerListener] = []
         self._session_listeners: list[SessionListener] = []
         self._sessions: dict[str, PeerSession] = {}  # the one record of each peer's state
@@ -89,7 +90,11 @@ class Agent(Startable):
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> Self:
-        """Open the UCX context and bind the control plane.  Returns self."""
+        """Open the UCX context, bind the control plane and, with ``metrics_port``, serve ``/metrics``.
+
+        Returns self.  A ``metrics_port`` that cannot be served (taken) raises :class:`ConfigError`;
+        whatever failed start() started is closed.
+        """
         if self._closed:
             raise ClosedError("agent is closed")
         if self._control is not None:
@@ -107,7 +112,11 @@ class Agent(Startable):
                 raise ClosedError("agent closed while starting")
             await self._control.start()
             if self.config.metrics_port:
-                serve_metrics(self.config.metrics_port, self.config.host)
+                server = await serve_metrics(self.config.metrics_port, self.config.host)
+                if self._closed:  # closed meanwhile: its close() did not see this server
+                    await server.close()
+                    raise ClosedError("agent closed while starting")
+                self._metrics_server = server
         except BaseException:
             await self.close()
             raise
@@ -116,7 +125,8 @@ class Agent(Startable):
     async def close(self) -> None:
         """Fail in-flight transfers with :class:`ClosedError`, say goodbye, stop everything.
 
-        Idempotent; after it returns no task or lane of this agent is left.
+        Idempotent; after it returns no task or lane of this agent is left, nor its ``/metrics``
+        server (the port is free).
         """
         if self._closed:
             return
@@ -128,6 +138,8 @@ class Agent(Startable):
         for session in list(self._sessions.values()):  # no PeerEvent: the owner is closing
             self._session_event(session.move("gone", ClosedError("agent closed")))
         self._sessions.clear()
+        if self._metrics_server is not None:
+            await self._metrics_server.close()
         self.metrics.close()
         self._signal()
 

@@ -96,7 +96,8 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     handshake may then copy any of its rows.  Announced in the handshake."""
     metrics_port: Port = 0
     """Serve Prometheus ``/metrics`` on this port (0: off).  One endpoint serves every agent of
-    the process; start at most one agent with it set."""
+    the process; start at most one agent with it set (a port taken raises ``ConfigError`` at
+    start; the agent's close frees it)."""
     curve_secret_key: str = ""
     """This side's ZeroMQ CURVE secret key (Z85).  With it the control plane is encrypted and
     only peers whose public key is in ``curve_allowed_keys`` may connect.  Off by default

@@ -4,9 +4,9 @@ One :class:`Metrics` per agent, labelled with its peer id.  Nothing is written t
 while transfers run: every figure is a plain int or float on a small record bumped on the
 agent's event loop (a transfer costs a few attribute and dict increments and, for latency, a
 ``bisect`` into the bucket list), and one custom collector turns the records into families
-when ``/metrics`` is scraped (in prometheus_client's thread: it only reads numbers and takes
+when ``/metrics`` is scraped (in a thread of the endpoint: it only reads numbers and takes
 atomic copies of dicts).  The process's default registry serves every agent of the process;
-:func:`serve_metrics` starts that endpoint.
+:func:`serve_metrics` starts that endpoint, a :class:`MetricsServer` its owner stops.
 
 Agent-wide series are summed over every agent of one name, and stay after the agent closed
 (its ``omni_async_peers`` drops to 0), as labelled Prometheus children did.  Per-peer figures
@@ -16,14 +16,20 @@ asked of the agent's probes at scrape time.  docs/observability.md explains ever
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import socket
 import threading
 import time
 import weakref
 from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterator
-from typing import Generic, Literal, TypeVar
+from socketserver import TCPServer
+from typing import Any, Generic, Literal, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -32,6 +38,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["blocks", "messages"]
 KINDS: tuple[Kind, ...] = ("blocks", "messages")
@@ -374,6 +384,113 @@ _COLLECTOR = _Collector()
 REGISTRY.register(_COLLECTOR)
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Serve ``/metrics`` for every agent of this process (a daemon thread of prometheus_client)."""
-    start_http_server(port, addr=host)
+METRICS_CONNECTIONS = 16
+"""Connections the ``/metrics`` server serves at once; one more is closed unanswered."""
+METRICS_IO_TIMEOUT = 5.0
+"""Seconds a ``/metrics`` connection may stay silent (or not read the answer) before it is closed."""
+METRICS_STOP_TIMEOUT = 5.0
+"""Seconds :meth:`MetricsServer.close` waits for its threads to end, all together."""
+
+
+class _Handler(WSGIRequestHandler):
+    """One ``/metrics`` request; a read or write that waits :data:`METRICS_IO_TIMEOUT` fails it."""
+
+    timeout = METRICS_IO_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log no request."""
+
+
+class MetricsServer(WSGIServer):
+    """``/metrics`` of every agent of this process over HTTP: a listening thread and one
+    thread per connection, at most :data:`METRICS_CONNECTIONS` of them (more are closed
+    unanswered), each ended by :data:`METRICS_IO_TIMEOUT` of silence.
+
+    Made by :func:`serve_metrics`; whoever made it owns it and stops it with :meth:`close`.
+    """
+
+    def __init__(self, family: socket.AddressFamily, address: tuple[Any, ...]) -> None:
+        self.address_family = family
+        self._open: dict[socket.socket, threading.Thread] = {}  # connections being served
+        self._lock = threading.Lock()  # guards _open and _closing (the listener adds, threads remove)
+        self._closing = False
+        super().__init__(address, _Handler)  # binds and listens; closes its socket if that fails
+        self.set_app(make_wsgi_app(REGISTRY))
+        self._thread = threading.Thread(target=self.serve_forever, name="omni-async-metrics", daemon=True)
+        self._thread.start()
+
+    def server_bind(self) -> None:
+        """Bind without HTTPServer's reverse lookup of the host name (a blocking DNS query)."""
+        TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
+        self.setup_environ()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve ``request`` on a thread of its own, or close it if :data:`METRICS_CONNECTIONS` are served."""
+        thread = threading.Thread(target=self._serve, args=(request, client_address),
+                                  name="omni-async-metrics-connection", daemon=True)
+        with self._lock:
+            refused = self._closing or len(self._open) >= METRICS_CONNECTIONS
+            if not refused:
+                self._open[request] = thread
+        if refused:
+            self.shutdown_request(request)
+            return
+        try:
+            thread.start()
+        except BaseException:
+            self._done(request)
+            raise
+
+    def _serve(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # a timed out or reset connection ends only itself
+            self.handle_error(request, client_address)
+        finally:
+            self._done(request)
+
+    def _done(self, request: socket.socket) -> None:
+        self.shutdown_request(request)
+        with self._lock:
+            self._open.pop(request, None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection failed (timed out, reset): logged at debug level, not printed to stderr."""
+        log.debug("/metrics connection from %s failed", client_address, exc_info=True)
+
+    def _stop(self) -> None:
+        """Stop listening, free the port, end every connection (blocks, bounded)."""
+        self.shutdown()  # serve_forever notices within its 0.5 s poll interval
+        self.server_close()
+        with self._lock:
+            self._closing = True
+            serving = dict(self._open)
+        for connection in serving:  # wakes their threads' reads and writes
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + METRICS_STOP_TIMEOUT
+        for thread in (self._thread, *serving.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    async def close(self) -> None:
+        """Stop serving: once it returns the port is free and, unless a thread outlived
+        :data:`METRICS_STOP_TIMEOUT` (a scrape still collecting), no thread of it runs.  Idempotent."""
+        await asyncio.to_thread(self._stop)
+
+
+async def serve_metrics(port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``/metrics`` for every agent of this process on ``host:port``.
+
+    Raises :class:`ConfigError` if the address cannot be served (the port is taken, by another
+    process or another agent of this one; the host is not this machine's), leaving nothing
+    behind.  The caller owns the server and stops it with ``await server.close()``.
+    """
+    try:
+        family, _, _, _, address = (await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))[0]
+        return MetricsServer(family, address)
+    except OSError as exc:
+        raise ConfigError(f"metrics_port {port}: cannot serve /metrics on {host}:{port} ({exc}); "
+                          "one endpoint serves every agent of a process: set metrics_port on one of them") from exc

@@ -3,14 +3,20 @@
 import asyncio
 import cProfile
 import pstats
+import select
 import socket
+import threading
+import time
 import urllib.request
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from omni_async import InvalidBlocks
-from omni_async.metrics import Metrics
+from omni_async import Agent, BlockRegion, InvalidBlocks
+from omni_async.errors import ClosedError, ConfigError
+from omni_async.metrics import METRICS_CONNECTIONS, METRICS_IO_TIMEOUT, Metrics
+
+from .conftest import fast_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,6 +25,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def metrics_threads() -> list[threading.Thread]:
+    """The /metrics server's threads: its listener and one per connection being served."""
+    return [t for t in threading.enumerate() if t.name.startswith("omni-async-metrics")]
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def closed_by_server(sockets: list[socket.socket]) -> int:
+    """How many of ``sockets`` the server closed (end of stream, or reset)."""
+    readable, _, _ = select.select(sockets, [], [], 0)
+    closed = 0
+    for s in readable:
+        try:
+            closed += s.recv(1) == b""
+        except ConnectionResetError:
+            closed += 1
+    return closed
 
 
 async def test_stats_and_prometheus(make_agent):
@@ -39,7 +72,7 @@ async def test_stats_and_prometheus(make_agent):
     assert sb["received.blocks.ok"] == 1 and sb["blocks.bytes_received"] == 3 * 4096
     assert sb["received.blocks.invalid_blocks"] == 1
     assert sa["peers"] == 1 and sa["peers.joined"] == 1
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+    body = await asyncio.to_thread(scrape, port)
     assert 'omni_async_transfers_total{agent="ma",kind="blocks",outcome="ok"} 1.0' in body
     assert 'omni_async_bytes_total{agent="mb",direction="received",kind="blocks"} 12288.0' in body
     assert 'omni_async_peers{agent="ma"} 1.0' in body
@@ -100,3 +133,74 @@ def test_export_sums_agents_of_one_name_and_keeps_closed_ones():
     first.close()  # idempotent
     again = generate_latest(REGISTRY).decode()
     assert 'omni_async_bytes_total{agent="mx-export",direction="sent",kind="blocks"} 30.0' in again
+
+
+async def test_metrics_endpoint_is_closed_with_its_agent(make_agent):
+    """close() is whole: the /metrics server an agent started goes with it (port free, no thread
+    left, also of a connection still open), and an agent started again in this process with
+    the same metrics_port serves it."""
+    port = free_port()
+    agent = await make_agent(peer_id="mclose", metrics_port=port)
+    assert "omni_async_peers" in await asyncio.to_thread(scrape, port)
+    idle = socket.create_connection(("127.0.0.1", port))
+    try:
+        await asyncio.sleep(0.2)  # its thread is serving it
+        began = time.monotonic()
+        await asyncio.wait_for(agent.close(), 10)
+        assert time.monotonic() - began < METRICS_IO_TIMEOUT  # the open connection was ended, not waited out
+        assert not port_open(port), "the closed agent's /metrics server still accepts connections"
+        assert not metrics_threads(), f"threads left by the closed agent's /metrics server: {metrics_threads()}"
+        assert closed_by_server([idle]) == 1
+    finally:
+        idle.close()
+    again = await make_agent(peer_id="mclose2", metrics_port=port)  # raised OSError: address already in use
+    assert 'agent="mclose2"' in await asyncio.to_thread(scrape, port)
+    await again.close()
+    assert not port_open(port)
+
+
+async def test_idle_metrics_connections_are_bounded_and_time_out(make_agent):
+    """Connections that send nothing hold at most METRICS_CONNECTIONS threads (each held one for
+    ever: 300 held 300): those beyond are closed at once, the others after METRICS_IO_TIMEOUT,
+    and the endpoint answers again."""
+    port = free_port()
+    await make_agent(peer_id="midle", metrics_port=port)
+    sockets: list[socket.socket] = []
+    try:
+        before = threading.active_count()
+        for _ in range(100):  # more take seconds each: the listen backlog (5) overflows
+            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        await asyncio.sleep(1)
+        held = threading.active_count() - before
+        assert held <= METRICS_CONNECTIONS, f"{held} threads held by {len(sockets)} idle connections"
+        assert closed_by_server(sockets) >= len(sockets) - METRICS_CONNECTIONS
+        await asyncio.sleep(METRICS_IO_TIMEOUT + 1)
+        assert closed_by_server(sockets) == len(sockets)
+        assert len(metrics_threads()) == 1  # the listener alone
+        assert 'agent="midle"' in await asyncio.to_thread(scrape, port)
+    finally:
+        for s in sockets:
+            s.close()
+
+
+async def test_a_metrics_port_already_taken_is_a_config_error(make_agent):
+    """A metrics_port taken by another process, or by another agent of this one, fails start()
+    with ConfigError naming it (it raised a raw OSError); the failed agent is closed and its
+    /metrics server leaves no thread."""
+    port = free_port()
+    await make_agent(peer_id="mtaken", metrics_port=port)
+    outside = socket.socket()
+    try:
+        outside.bind(("127.0.0.1", 0))
+        outside.listen()
+        for taken in (port, outside.getsockname()[1]):
+            threads = {t.ident for t in metrics_threads()}
+            agent = Agent(BlockRegion.allocate(8, 4096), fast_config(peer_id="mtaken2", metrics_port=taken))
+            with pytest.raises(ConfigError, match=f"metrics_port {taken}"):
+                await agent.start()
+            with pytest.raises(ClosedError):
+                await agent.start()
+            assert {t.ident for t in metrics_threads()} == threads
+    finally:
+        outside.close()
+    assert 'agent="mtaken"' in await asyncio.to_thread(scrape, port)  # the first agent still serves
