@@ -541,7 +541,8 @@ class ControlPlane:
         # ZeroMQ paused (its queue full: a peer flooding us) aborts the process in libzmq 4.3.5
         # (`Assertion failed: !_io_error`, stream_engine_base.cpp).  Liveness is ours (Heartbeat).
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, math.ceil(self.config.heartbeat_timeout)))
+        idle_s = min(max(1, math.ceil(self.config.heartbeat_timeout)), 32767)  # (Linux takes at most 32767)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle_s)
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
         return sock

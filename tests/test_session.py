@@ -154,3 +154,13 @@ async def test_a_dialler_still_vetting_our_address_is_not_dropped_as_silent(make
     await asyncio.sleep(FAST["heartbeat_timeout"] * 1.5)  # joined on both sides, and staying
     assert left == [] and set(b.peers) == {"a"} and set(a.peers) == {"b"}
     await asyncio.wait_for(a.write_blocks("b", [0], [1]), 5)
+
+
+async def test_a_pair_with_a_heartbeat_timeout_beyond_tcp_keepalives_range_joins(make_agent):
+    """The control sockets' TCP keepalive idles for the heartbeat timeout, which Linux takes up
+    to 32,767 s: beyond it, unclamped, every connection failed and the handshake timed out."""
+    calm = {"heartbeat_timeout": 1e6, "handshake_timeout": 5.0}
+    a = await make_agent(peer_id="a", **calm)
+    b = await make_agent(peer_id="b", **calm)
+    assert await asyncio.wait_for(a.connect(b.control_address), 10) == "b"
+    await asyncio.wait_for(a.write_blocks("b", [0], [1]), 5)
