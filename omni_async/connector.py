@@ -260,7 +260,8 @@ class UcxConnector(Connector):
         """Prefixes discarded with ``refuse_later``, oldest first, with why."""
         self._gone: OrderedDict[str, None] = OrderedDict()
         """Peers that left and have not joined again (a wait for their keys fails at once)."""
-        self._orphan_timers: set[asyncio.TimerHandle] = set()
+        self._orphan_timers: dict[str, asyncio.TimerHandle] = {}
+        """Peer that left -> the timer dropping its acknowledged payloads (cancelled if it joins again)."""
         self._closed = False
         agent.set_message_sink(self._on_message)
         agent.add_peer_listener(self._on_peer)
@@ -406,7 +407,7 @@ class UcxConnector(Connector):
         if self._closed:
             return
         self._closed = True
-        for timer in self._orphan_timers:
+        for timer in self._orphan_timers.values():
             timer.cancel()
         self._orphan_timers.clear()
         self._release(lambda key: True, ClosedError("connector closed"))
@@ -626,9 +627,13 @@ class UcxConnector(Connector):
 
     def _on_peer(self, event: PeerEvent) -> None:
         """A peer that left releases what it owned: its held payloads (refused), waits naming it
-        as ``source`` (``PeerLost``), and, after ``orphan_timeout``, its acknowledged payloads."""
+        as ``source`` (``PeerLost``), and, after ``orphan_timeout``, its acknowledged payloads,
+        unless it joined again by then (a reader may still take them: they were acknowledged)."""
         if event.kind == "joined":
             self._gone.pop(event.peer_id, None)
+            timer = self._orphan_timers.pop(event.peer_id, None)
+            if timer is not None:
+                timer.cancel()
             return
         error = event.error if isinstance(event.error, PeerLost) else PeerLost(
             f"peer {event.peer_id!r} left" + (f": {event.error}" if event.error else ""))
@@ -643,12 +648,15 @@ class UcxConnector(Connector):
             self._drop(stored, error)
         acked = [s for s in mine if s.space is None]
         if acked and not self._closed:
-            timer = self._loop.call_later(self.options.orphan_timeout, self._drop_orphans, acked)
-            self._orphan_timers.add(timer)
+            earlier = self._orphan_timers.pop(event.peer_id, None)
+            if earlier is not None:  # (it left twice: these include the payloads that timer held)
+                earlier.cancel()
+            self._orphan_timers[event.peer_id] = self._loop.call_later(
+                self.options.orphan_timeout, self._drop_orphans, event.peer_id, acked)
         self._admit()
 
-    def _drop_orphans(self, orphans: list[_Stored]) -> None:
-        self._orphan_timers = {t for t in self._orphan_timers if t.when() > self._loop.time()}  # fired: gone
+    def _drop_orphans(self, peer_id: str, orphans: list[_Stored]) -> None:
+        self._orphan_timers.pop(peer_id, None)
         dropped = 0
         for stored in orphans:
             if self._stored.get(stored.key, {}).get(stored.peer_id) is stored:

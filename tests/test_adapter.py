@@ -510,6 +510,23 @@ async def test_a_peer_that_left_releases_what_it_owned(make_service):
     assert rx.connector.buffered == (0, 0)  # nobody took k1: dropped after orphan_timeout
 
 
+async def test_a_peer_that_joins_again_keeps_its_acknowledged_payloads(make_service):
+    """A peer that left and joined again before ``orphan_timeout``: the payloads it was told
+    were delivered stay for a reader (the timer dropped them anyway: data lost silently after
+    a reconnect, such as a heartbeat blip); one that leaves again is dropped after it."""
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"orphan_timeout": 0.5}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    await asyncio.wait_for(tx.connector.put("rx", "o:0", {"i": 0}), 5)  # acknowledged
+    assert await rx.agent.remove_peer("tx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)  # back at once
+    await asyncio.sleep(0.8)
+    assert rx.connector.buffered[0] == 1
+    assert await rx.agent.remove_peer("tx")
+    await asyncio.sleep(0.8)
+    assert rx.connector.buffered == (0, 0)
+
+
 async def test_a_held_payload_expires_with_its_transfer(make_service):
     """A payload whose acknowledgement is held for want of buffer space is held at most the
     receiver's transfer_timeout, then dropped: its sender's put fails with DeadlineExceeded."""
