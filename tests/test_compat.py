@@ -1109,3 +1109,23 @@ def test_the_pair_works_with_curve_and_refuses_a_stranger(make_transport):
     with pytest.raises((HandshakeTimeout, HandshakeRejected)):
         stranger.add_remote_peer("A", *peer_args(a))
     assert stranger.write_blocks("A", [0], [0]) is None
+
+
+def test_a_removed_peers_write_is_reported_only_once_its_rows_are_no_longer_read():
+    """``remove_remote_peer`` with a 64 MiB write in flight over tcp: the write was reported
+    failed at once, while the orderly drain still sent its bytes, so rows the caller changed
+    after the report reached the peer (34-60 of 64 here).  It is reported once the lane no
+    longer reads them; what the caller writes afterwards stays here."""
+    rows, row_bytes = 64, 1 << 20
+    timings = dict(heartbeat_interval=0.1, heartbeat_timeout=2.0, handshake_timeout=3.0,
+                   ucx_net_devices="lo", same_host_lane=False, ucx_tls="tcp")
+    source, target = np.ones((rows, row_bytes), np.uint8), np.zeros((rows, row_bytes), np.uint8)
+    with SyncDataTransport(memoryview(source), config=AgentConfig(peer_id="drain-a", **timings)) as a, \
+            SyncDataTransport(memoryview(target), config=AgentConfig(peer_id="drain-b", **timings)) as b:
+        a.add_remote_peer("B", *peer_args(b))
+        write = a.write_blocks("B", list(range(rows)), list(range(rows)))
+        a.remove_remote_peer("B")
+        assert poll_until(a, {write}).failed == [write] and isinstance(a.failure_reason(write), PeerLost)
+        source[:] = 7  # reported: the caller may reuse its rows
+        time.sleep(1.0)
+        assert not (target[:, 0] == 7).any(), "rows changed after the report reached the peer"

@@ -159,17 +159,14 @@ class _Engine:
 
     # -- on the loop -------------------------------------------------------------------------
     def on_peer_event(self, event: PeerEvent) -> None:
+        """A peer joined or left.  Its transfers are not settled here: each settles through its
+        own handle (:meth:`on_transfer_done`), which the agent fails once nothing reads its rows
+        any more (a peer removed in order drains first: its rows are read until then)."""
         with self.portal.lock:
             if event.kind == "joined":
                 self.live.add(event.peer_id)
-                return
-            self.live.discard(event.peer_id)
-        # The agent already failed the peer's transfers; catch any it did not know about.
-        error = event.error or PeerLost(f"peer {event.peer_id!r} left")
-        for transfer_id, transfer in list(self.handles.items()):
-            if transfer.peer_id == event.peer_id and not transfer.done():
-                self.handles.pop(transfer_id, None)
-                self.settle(transfer_id, error)
+            else:
+                self.live.discard(event.peer_id)
 
     def submit(self, transfer_id: int, core_id: str, runs: list[Run], blocks: int, remote_blocks: int) -> None:
         """Post write ``transfer_id`` (planned and put in flight by the caller: ``runs`` of

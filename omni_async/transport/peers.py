@@ -213,8 +213,6 @@ class Peers(TransportCore):
             link.keying.add_done_callback(self._keyings.discard)
         self._drop_direct(link)
         self._drop_rings(link)
-        for transfer_id in list(link.sent):
-            self._settle(link, transfer_id, error)
         if link.timer is not None:
             link.timer.cancel()
             link.timer = None
@@ -225,8 +223,14 @@ class Peers(TransportCore):
             self._drains.add(task)
             task.add_done_callback(self._drains.discard)
         else:
+            self._fail_sent(link, error)
             self._release_link(link, error)
         return True
+
+    def _fail_sent(self, link: PeerLink, error: OmniAsyncError) -> None:
+        """Fail the removed peer's transfers still in flight with ``error``."""
+        for transfer_id in list(link.sent):
+            self._settle(link, transfer_id, error)
 
     def _release_link(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Let go of everything a removed peer owned: payload messages whose header never came
@@ -239,7 +243,10 @@ class Peers(TransportCore):
     async def _drain_lane(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Release the lane once the lane protocol says it drained (:class:`.protocol.Drain`:
         the peer's Goodbye is here and nothing is pending), or after ``DRAIN_TIMEOUT``.
-        Event-driven: the lane reports each progress pass; nothing polls."""
+        Event-driven: the lane reports each progress pass; nothing polls.  The transfers still
+        in flight fail only then, once the lane no longer reads their rows (its posted sends
+        completed, or it closed): their owners may reuse the rows once told (they were failed
+        at once, while the drain still sent their bytes)."""
         lane = link.lane
         drained = self._loop.create_future()
 
@@ -258,6 +265,10 @@ class Peers(TransportCore):
         finally:
             lane.on_progress = None
             self._release_link(link, error)
+            try:
+                await lane.wait_closed()  # (puts posted still read the rows until it closed)
+            finally:
+                self._fail_sent(link, error)
 
     def discard_lane(self, lane: Lane, error: BaseException | None = None) -> None:
         """Close a lane (of a removed peer, or of a failed handshake); :meth:`close` waits for it."""
