@@ -1129,3 +1129,25 @@ def test_a_removed_peers_write_is_reported_only_once_its_rows_are_no_longer_read
         source[:] = 7  # reported: the caller may reuse its rows
         time.sleep(1.0)
         assert not (target[:, 0] == 7).any(), "rows changed after the report reached the peer"
+
+
+def test_a_refused_add_remote_peer_leaves_a_registration_of_that_peer_as_it_was(make_transport):
+    """``add_remote_peer`` under a new name with a wrong ``num_blocks`` for a peer registered
+    already raises ``LayoutMismatch``, and nothing else: it disconnected the peer first (the
+    good registration's write in flight failed, both sides' registrations stayed dead)."""
+    a = make_transport(block_memory(seed=1), "lm-a")
+    b = make_transport(block_memory(), "lm-b")
+    connect_both_ways(a, "A", b, "B")
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    release = threading.Event()
+    b.loop.call_soon_threadsafe(release.wait, 10)  # b cannot acknowledge for now
+    try:
+        in_flight = a.write_blocks("B", [1], [1])
+        metadata, base, num_blocks, block_len = peer_args(b)
+        with pytest.raises(LayoutMismatch):
+            a.add_remote_peer("B-typo", metadata, base, num_blocks + 1, block_len)
+    finally:
+        release.set()
+    assert poll_until(a, {in_flight}).done == [in_flight]
+    assert poll_until(a, {a.write_blocks("B", [2], [2])}).done
+    assert poll_until(b, {b.write_blocks("A", [2], [2])}).done

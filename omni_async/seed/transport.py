@@ -244,6 +244,8 @@ class _Engine:
         agent = self.agent
         assert agent is not None
         core_id = card.peer_id
+        with self.portal.lock:
+            registered = core_id in self.peers.values()  # under another name: left as it is
         if core_id not in agent.peers:
             try:
                 joined = await agent.connect(card.address)
@@ -264,7 +266,8 @@ class _Engine:
         expected = (base_addr, num_blocks, block_len)
         actual = (info.base_addr, info.num_blocks, info.block_len)
         if actual != expected:
-            await agent.remove_peer(core_id)
+            if not registered:  # (a registered peer stays: this call only failed)
+                await agent.remove_peer(core_id)
             raise LayoutMismatch(
                 f"peer {core_id!r} has (base_addr, num_blocks, block_len) = {actual}, "
                 f"but add_remote_peer was given {expected}"
@@ -393,7 +396,8 @@ class SyncDataTransport(Facade):
         :class:`ProtocolError` (malformed metadata), :class:`FingerprintMismatch`,
         :class:`LayoutMismatch` (``block_len`` differs from ours, or the handshake's
         ``base_addr``/``num_blocks``/``block_len`` differ from the arguments: the peer is then
-        disconnected), :class:`HandshakeTimeout` or another :class:`HandshakeRejected`,
+        disconnected, unless it is registered under another name already: that registration
+        and its transfers are left as they are), :class:`HandshakeTimeout` or another :class:`HandshakeRejected`,
         :class:`ClosedError`.
         """
         self._portal.check_open()
