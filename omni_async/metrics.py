@@ -409,6 +409,8 @@ class MetricsServer(WSGIServer):
     Made by :func:`serve_metrics`; whoever made it owns it and stops it with :meth:`close`.
     """
 
+    request_queue_size = 64  # the listen backlog (5 by default: connections beyond it wait for SYN retries)
+
     def __init__(self, family: socket.AddressFamily, address: tuple[Any, ...]) -> None:
         self.address_family = family
         self._open: dict[socket.socket, threading.Thread] = {}  # connections being served

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
+import omni_async.metrics as metrics_module
 from omni_async import Agent, BlockRegion, InvalidBlocks
 from omni_async.errors import ClosedError, ConfigError
 from omni_async.metrics import METRICS_CONNECTIONS, METRICS_IO_TIMEOUT, Metrics
@@ -159,22 +160,24 @@ async def test_metrics_endpoint_is_closed_with_its_agent(make_agent):
     assert not port_open(port)
 
 
-async def test_idle_metrics_connections_are_bounded_and_time_out(make_agent):
+async def test_idle_metrics_connections_are_bounded_and_time_out(make_agent, monkeypatch):
     """Connections that send nothing hold at most METRICS_CONNECTIONS threads (each held one for
-    ever: 300 held 300): those beyond are closed at once, the others after METRICS_IO_TIMEOUT,
-    and the endpoint answers again."""
+    ever: 300 held 300): those beyond are closed at once, the others after the I/O timeout
+    (METRICS_IO_TIMEOUT, 1 s here), and the endpoint answers again."""
+    io_timeout = 1.0
+    monkeypatch.setattr(metrics_module._Handler, "timeout", io_timeout)
     port = free_port()
     await make_agent(peer_id="midle", metrics_port=port)
     sockets: list[socket.socket] = []
     try:
         before = threading.active_count()
-        for _ in range(100):  # more take seconds each: the listen backlog (5) overflows
+        for _ in range(2 * METRICS_CONNECTIONS + 8):
             sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        await asyncio.sleep(1)
+        await asyncio.sleep(0.5)
         held = threading.active_count() - before
         assert held <= METRICS_CONNECTIONS, f"{held} threads held by {len(sockets)} idle connections"
         assert closed_by_server(sockets) >= len(sockets) - METRICS_CONNECTIONS
-        await asyncio.sleep(METRICS_IO_TIMEOUT + 1)
+        await asyncio.sleep(io_timeout + 1)
         assert closed_by_server(sockets) == len(sockets)
         assert len(metrics_threads()) == 1  # the listener alone
         assert 'agent="midle"' in await asyncio.to_thread(scrape, port)
