@@ -342,10 +342,8 @@ class TransferAdapter:
         state.next_index = index + 1
         state.latest = None  # (a load that still waits is no longer the latest)
         self._rearm(request_id, None)
-        if isinstance(chunk, TransferCancelled):  # (the only error _unwrap gives for one: the sender's cancel)
-            self._cancelled_by_sender(request_id)
-        elif not isinstance(chunk, Chunk):
-            self.cleanup(request_id)
+        if not isinstance(chunk, Chunk):
+            self._unloadable(request_id, chunk)
         elif chunk.final:
             self._ended(request_id, state)
         return chunk
@@ -403,18 +401,15 @@ class TransferAdapter:
         if result.done():
             return
         state = self._incoming.get(request_id)
-        chunk: Chunk | BaseException
         if error is not None:
-            chunk = error
-        else:
-            assert envelope is not None
-            chunk = self._unwrap(request_id, index, envelope)
+            _fail_load(result, error)
+            self.cleanup(request_id)
+            return
+        assert envelope is not None
+        chunk = self._unwrap(request_id, index, envelope)
         if not isinstance(chunk, Chunk):
             _fail_load(result, chunk)
-            if error is None and isinstance(chunk, TransferCancelled):  # the sender's cancel
-                self._cancelled_by_sender(request_id)
-            else:
-                self.cleanup(request_id)
+            self._unloadable(request_id, chunk)
             return
         result.set_result(chunk)
         if state is not None and result in state.waiters:
@@ -453,7 +448,10 @@ class TransferAdapter:
             state.latest = None
         if payload.done():  # its chunk came in the turn the load was given up
             error = payload.exception()
-            self._keep(request_id, index, self._unwrap(request_id, index, payload.result()) if error is None else error)
+            if error is None:
+                self._keep(request_id, index, self._unwrap(request_id, index, payload.result()))
+            else:
+                self.cleanup(request_id, error if isinstance(error, OmniAsyncError) else None)
         elif state.next_index == index + 1:
             payload.cancel()
             state.next_index = index
@@ -463,18 +461,18 @@ class TransferAdapter:
             payload.cancel()
             self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
 
-    def _keep(self, request_id: str, index: int, outcome: Chunk | BaseException) -> None:
+    def _keep(self, request_id: str, index: int, outcome: Chunk | OmniAsyncError) -> None:
         """Chunk ``index`` came to a load given up before its owner got it (the sender has its
         acknowledgement): it is kept for the next load of the request, which takes it at once.
-        If a later load was made already (order cannot hold), or the chunk failed, the request
-        is cleaned up instead (with that failure)."""
+        If a later load was made already (order cannot hold), the request is cleaned up
+        instead; if it cannot be loaded (``outcome``: what :meth:`_unwrap` said), as any such."""
         state = self._incoming.get(request_id)
         if state is None and isinstance(outcome, Chunk) and outcome.final and not self._closing:
             state = self._incoming[request_id] = _Incoming(next_index=index + 1)  # (it had ended the request)
         if state is None:
             return  # cleaned up meanwhile
         if not isinstance(outcome, Chunk):
-            self.cleanup(request_id, outcome if isinstance(outcome, OmniAsyncError) else None)
+            self._unloadable(request_id, outcome)
         elif state.next_index != index + 1 or state.kept is not None:  # (a later chunk is kept)
             self.cleanup(request_id, TransferCancelled(f"a load of {request_id!r} was abandoned out of order"))
         else:
@@ -512,6 +510,15 @@ class TransferAdapter:
         """
         self._drop_request(request_id, error or TransferCancelled(f"request {request_id!r} cleaned up"),
                            refuse_later=True)
+
+    def _unloadable(self, request_id: str, why: OmniAsyncError) -> None:
+        """A chunk of the request came that cannot be loaded (what :meth:`_unwrap` gives instead
+        of a chunk): the sender's cancel (its only :class:`TransferCancelled`) ends the sender's
+        stream (:meth:`_cancelled_by_sender`); anything else cleans the request up."""
+        if isinstance(why, TransferCancelled):
+            self._cancelled_by_sender(request_id)
+        else:
+            self.cleanup(request_id)
 
     def _cancelled_by_sender(self, request_id: str) -> None:
         """A load took the sender's cancel, the last chunk of its stream (every earlier one was

@@ -238,11 +238,7 @@ class BlockWrites(TransportCore):
             refuse(ReadsNotAllowed("this peer does not allow reads of its region"))
             return
         if link.reads_served >= MAX_SERVED_READS:
-            if not link.reads_refused:  # logged once per peer: a reader that keeps asking is refused quietly
-                log.warning("refusing reads from %s: %d of its read requests are being served",
-                            link.peer.peer_id, link.reads_served)
-            link.reads_refused += 1
-            refuse(TransferRefused(f"{MAX_SERVED_READS} read requests of this peer are being served"))
+            _refuse_read(link, refuse, TransferRefused(f"{MAX_SERVED_READS} read requests of it are being served"))
             return
         runs: list[Run] = [(src, dst, count) for src, dst, count in req.runs]
         for src, dst, count in runs:
@@ -251,11 +247,8 @@ class BlockWrites(TransportCore):
                 return
         blocks = sum(run[2] for run in runs)
         if blocks > link.peer.num_blocks:  # rows written more than once: no read of ours asks that
-            if not link.reads_refused:
-                log.warning("refused read %d from %s: %d blocks into a region of %d",
-                            req.transfer_id, link.peer.peer_id, blocks, link.peer.num_blocks)
-            link.reads_refused += 1
-            refuse(InvalidBlocks(f"read of {blocks} blocks into a region of {link.peer.num_blocks}"))
+            error = InvalidBlocks(f"read of {blocks} blocks into a region of {link.peer.num_blocks}")
+            _refuse_read(link, refuse, error)
             return
         link.reads_served += 1
         write = self._write_runs(link, runs, blocks, None)
@@ -454,3 +447,12 @@ def _write_request(
 def _request_blocks(request: list[Run], blocks: int, requests: int) -> int:
     """Blocks of one request of a write of ``blocks`` split into ``requests``."""
     return blocks if requests == 1 else sum(run[2] for run in request)
+
+
+def _refuse_read(link: PeerLink, refuse: Callable[[BaseException | None], None], error: BaseException) -> None:
+    """Refuse one of the peer's read requests with ``error``, logged for its first refusal only
+    (a reader that keeps asking is refused quietly; :attr:`PeerLink.reads_refused` counts)."""
+    if not link.reads_refused:
+        log.warning("refusing reads from %s: %s", link.peer.peer_id, error)
+    link.reads_refused += 1
+    refuse(error)
