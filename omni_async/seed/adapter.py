@@ -63,17 +63,6 @@ class _SaveBook:
         self.failed = False  # a chunk failed: reported once, never finished
 
 
-class _Load:
-    """One ``load_async`` of a request: its chunk or its error once settled."""
-
-    __slots__ = ("chunk", "error", "settled")
-
-    def __init__(self) -> None:
-        self.settled = False
-        self.chunk: Chunk | None = None
-        self.error: BaseException | None = None
-
-
 class _LoadBook:
     """Receive-side state of one request loaded with ``load_async``: its loads not handed out
     yet, in the order they were made (loop thread writes, under the lock).  Loads settle in
@@ -84,7 +73,7 @@ class _LoadBook:
     __slots__ = ("failed", "loads")
 
     def __init__(self) -> None:
-        self.loads: deque[_Load] = deque()
+        self.loads: deque[asyncio.Future[Chunk]] = deque()
         self.failed = False  # a load failed: reported once; later chunks are not handed out
 
 
@@ -201,41 +190,35 @@ class _AdapterEngine:
                     self.finished.add(request_id)
 
     def submit_load(self, request_id: str) -> None:
-        load = _Load()
-        with self.portal.lock:
-            book = self.loads.setdefault(request_id, _LoadBook())
-            book.loads.append(load)
         try:
             future = self.incoming().load_async(request_id)
         except (OmniAsyncError, ValueError, TypeError) as exc:  # as a save's: reported, never left waiting
-            self.on_loaded(request_id, book, load, None, exc)
-            return
-        future.add_done_callback(
-            lambda f: self.on_loaded(
-                request_id, book, load, None if f.cancelled() or f.exception() else f.result(), _outcome(f)
-            )
-        )
+            future = self.portal.loop.create_future()
+            future.set_exception(exc)
+        with self.portal.lock:
+            book = self.loads.setdefault(request_id, _LoadBook())
+            book.loads.append(future)
+        future.add_done_callback(lambda _: self.on_loaded(request_id, book))
 
-    def on_loaded(self, request_id: str, book: _LoadBook, load: _Load, chunk: Chunk | None,
-                  error: BaseException | None) -> None:
-        """``load`` settled: hand out every load of the request settled so far in the order
-        they were made (its chunk into :attr:`loaded`, or its failure), up to the first one
-        still waiting; unless the request was cleaned up meanwhile (the cleanup failed its
-        loads: that is no failure to report)."""
+    def on_loaded(self, request_id: str, book: _LoadBook) -> None:
+        """A load of the request settled: hand out every one settled so far in the order they
+        were made (its chunk into :attr:`loaded`, or its failure), up to the first one still
+        waiting; unless the request was cleaned up meanwhile (the cleanup failed its loads:
+        that is no failure to report)."""
         with self.portal.lock:
             self.settled()
             if self.loads.get(request_id) is not book:
                 return
-            load.settled, load.chunk, load.error = True, chunk, error
-            while book.loads and book.loads[0].settled:
+            while book.loads and book.loads[0].done():
                 done = book.loads.popleft()
+                error = _outcome(done)
                 if book.failed:
                     continue
-                if done.error is not None:
+                if error is not None:
                     book.failed = True
-                    self.failed_recv.setdefault(request_id, _reason(done.error))
-                elif done.chunk is not None:
-                    self.loaded.setdefault(request_id, deque()).append(done.chunk)
+                    self.failed_recv.setdefault(request_id, _reason(error))
+                else:
+                    self.loaded.setdefault(request_id, deque()).append(done.result())
                     self.finished.add(request_id)
             if not book.loads:
                 del self.loads[request_id]
