@@ -419,6 +419,26 @@ async def test_announced_payloads_that_never_come_are_bounded(make_agent, flood)
     await asyncio.wait_for(healthy_traffic(a, b, 5), 20)
 
 
+async def test_a_payload_sequence_number_announced_twice_drops_the_peer(make_agent, caplog):
+    """Two write headers naming one payload sequence number: the second overwrote the
+    first's target, so the first write waited for good (its admitted bytes and pending slot
+    held while the peer stayed).  Now the peer is dropped, logged once."""
+    from omni_async.wire import HEADER_TAG, WriteRequest, encode_header
+    from tests.helpers.rogue import Rogue
+
+    b = await make_agent(peer_id="b", ucx_tls="tcp", heartbeat_timeout=30.0)
+    async with Rogue.join(b.control_address, tls="tcp") as rogue:
+        link = b.transport.links["rogue"]
+        with caplog.at_level(logging.WARNING):
+            rogue.send(encode_header(WriteRequest(1, 0, [(0, 1)], False)), HEADER_TAG)
+            rogue.send(encode_header(WriteRequest(2, 0, [(1, 1)], False)), HEADER_TAG)
+            async with asyncio.timeout(5):
+                while "rogue" in b.peers:
+                    await asyncio.sleep(0.01)
+        assert link.inbox.pending == 0 and link.inbox.pending_bytes == 0
+        assert len(warnings_about(caplog, "rogue")) == 1, warnings_about(caplog, "rogue")
+
+
 async def test_a_flooding_peer_does_not_starve_the_others(make_agent):
     """A peer process floods valid headers that cost the receiver more than the sender;
     another peer's transfers and the control heartbeats keep working meanwhile (before

@@ -95,6 +95,26 @@ def test_payloads_before_their_header_are_bounded_in_bytes(rendezvous):
     assert sorted(inbox.release()) == [("msg", seq) for seq in range(1, 5)] and inbox.early_bytes == 0
 
 
+@pytest.mark.parametrize("twice", ["header", "early payload"])
+def test_a_sequence_number_announced_or_arriving_twice_is_a_violation_and_nothing_is_lost(twice):
+    """A second header of one sequence number overwrote the first's target (its write then
+    waited for good); a second early payload overwrote the first (a message UCX holds that
+    release() never handed back).  Both are violations; every arrived message is handed back."""
+    inbox = Inbox(max_bytes=1 << 30)
+    lane = FakeLane(inbox)
+    if twice == "header":
+        lane.header(3, 10)
+        with pytest.raises(ProtocolError, match="announced twice"):
+            lane.header(3, 10)
+        assert inbox.release() == []
+    else:
+        inbox.arrived(3, 10, ("msg", 3, "first"))
+        with pytest.raises(ProtocolError, match="arrived twice"):
+            inbox.arrived(3, 10, ("msg", 3, "second"))
+        assert sorted(inbox.release()) == [("msg", 3, "first"), ("msg", 3, "second")]
+    assert inbox.pending == 0 and inbox.release() == []
+
+
 def test_admit_bounds_messages_and_bytes_and_counts_early_payloads_once():
     inbox = Inbox(max_bytes=100, max_pending=4)
     lane = FakeLane(inbox)

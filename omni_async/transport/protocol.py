@@ -45,12 +45,14 @@ class Inbox(Generic[T]):
     On a same-host lane a header of 8 KiB or more goes by rendezvous and the payloads behind it
     may come first: a legitimate peer's counted ones stay under ``max_pending`` ×
     ``rendezvous_bytes`` (8,192 × 8 KiB = 64 MiB), within the default ``max_early_bytes`` (the
-    floor of every receive budget, 64 MiB).  Every violation raises
+    floor of every receive budget, 64 MiB).  A sequence number is announced once and its
+    message arrives once (a second one of either would overwrite the first: a write waiting
+    for good, or a message UCX holds that nobody takes).  Every violation raises
     :class:`ProtocolError`; the driver then drops the peer and calls :meth:`release`, which
     hands back every message it must still take (UCX must not be left holding them).
     """
 
-    __slots__ = ("_early", "_expected", "early_bytes", "max_bytes", "max_early_bytes", "max_pending",
+    __slots__ = ("_early", "_expected", "_strays", "early_bytes", "max_bytes", "max_early_bytes", "max_pending",
                  "pending_bytes", "rendezvous_bytes")
 
     def __init__(
@@ -66,6 +68,7 @@ class Inbox(Generic[T]):
         """Bytes counted of the messages arrived before their header."""
         self._expected: dict[int, tuple[int, T]] = {}
         self._early: dict[int, tuple[int, Any]] = {}
+        self._strays: list[Any] = []  # a second payload message of one sequence number (a violation)
 
     @property
     def pending(self) -> int:
@@ -97,6 +100,8 @@ class Inbox(Generic[T]):
     def expect(self, seq: int, length: int, target: T) -> tuple[Any, T] | None:
         """Payload message ``seq`` of ``length`` bytes goes to ``target``: returns what to
         receive now if it already arrived, else remembers it."""
+        if seq in self._expected:
+            raise ProtocolError(f"payload message {seq} announced twice")
         early = self._early.pop(seq, None)
         if early is None:
             self._expected[seq] = (length, target)
@@ -109,6 +114,9 @@ class Inbox(Generic[T]):
         its header was handled, else keeps it (raising if that exceeds the bound)."""
         expected = self._expected.pop(seq, None)
         if expected is None:
+            if seq in self._early:
+                self._strays.append(message)  # release() hands it back too
+                raise ProtocolError(f"payload message {seq} arrived twice before its header")
             self._early[seq] = (length, message)  # kept first: release() hands it back
             self.early_bytes += self._counted(length)
             if self.pending > self.max_pending:
@@ -130,8 +138,9 @@ class Inbox(Generic[T]):
 
     def release(self) -> list[Any]:
         """Forget everything (the peer is gone); returns the arrived messages nobody took."""
-        messages = [message for _, message in self._early.values()]
+        messages = [message for _, message in self._early.values()] + self._strays
         self._early.clear()
+        self._strays = []
         self._expected.clear()
         self.pending_bytes = 0
         self.early_bytes = 0
