@@ -28,7 +28,7 @@ from .lifecycle import Startable, started
 from .metrics import Metrics, MetricsServer, serve_metrics
 from .region import BlockRegion, RegionSet, as_region_set, config_fingerprint
 from .session import PeerSession, Phase, SessionEvent
-from .transport import CancelMode, MessageSink, Transfer, UcxTransport
+from .transport import CancelMode, MessageRetract, MessageSink, Transfer, UcxTransport
 from .transport.lane import Lane
 from .transport.notices import Notice, NoticeSink
 from .transport.shared import advertise
@@ -312,9 +312,12 @@ class Agent(Startable):
         """See :meth:`UcxTransport.batch_bytes`."""
         return self.transport.batch_bytes(peer_id)
 
-    def set_message_sink(self, sink: MessageSink | None) -> None:
-        """Where incoming chunk messages go (see :data:`~omni_async.transport.MessageSink`)."""
+    def set_message_sink(self, sink: MessageSink | None, *, retract: MessageRetract | None = None) -> None:
+        """Where incoming chunk messages go (see :data:`~omni_async.transport.MessageSink`), and
+        whom to tell when a sender gives up a message whose sink's awaitable is still pending
+        (see :data:`~omni_async.transport.MessageRetract`)."""
         self.transport.message_sink = sink
+        self.transport.message_retract = retract
 
     def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
         """Cancel transfers with the seed's ``"immediate"`` / ``"wait"`` semantics."""

@@ -11,7 +11,8 @@ Receiving side contract: a payload that arrives before anyone asked for it is bu
 ``max_buffered_bytes`` (checked before it is stored); past that its acknowledgement is held back
 until ``get`` frees space, so the sender's ``put`` (which resolves on that acknowledgement) is
 back-pressured (for at most the agent's ``transfer_timeout``: then the payload is dropped and
-the ``put`` fails with ``DeadlineExceeded``).  As many bytes again may wait held; past that, or past
+the ``put`` fails with ``DeadlineExceeded``; a payload whose sender gives it up first, its own
+deadline or a cancel, is dropped when the sender's ``Abort`` arrives).  As many bytes again may wait held; past that, or past
 ``max_buffered_payloads``, the payload is refused and the sender's ``put`` fails with
 :class:`~omni_async.errors.BufferFull`.  Nothing is dropped silently: a payload that fails to
 decode fails the sender's ``put`` and the local ``get`` of that key with
@@ -263,7 +264,7 @@ class UcxConnector(Connector):
         self._orphan_timers: dict[str, asyncio.TimerHandle] = {}
         """Peer that left -> the timer dropping its acknowledged payloads (cancelled if it joins again)."""
         self._closed = False
-        agent.set_message_sink(self._on_message)
+        agent.set_message_sink(self._on_message, retract=self._retract)
         agent.add_peer_listener(self._on_peer)
 
     @property
@@ -506,6 +507,16 @@ class UcxConnector(Connector):
         self._held_bytes += nbytes
         self._held[stored] = self._loop.call_later(self.agent.config.transfer_timeout, self._expire, stored)
         return space
+
+    def _retract(self, peer_id: str, key: str) -> None:
+        """The sender gave up the payload it sent under ``key`` (its deadline, a cancel) while
+        we held its acknowledgement: it is dropped, so it is never acknowledged, or delivered,
+        after its sender was told it failed.  One acknowledged already stays (it was delivered
+        before the sender gave up)."""
+        stored = self._stored.get(key, {}).get(peer_id)
+        if stored is not None and stored in self._held:
+            self._drop(stored, TransferCancelled(f"{key!r} was given up by its sender"))
+            self._admit()
 
     def _store(self, peer_id: str, key: str, payload: dict[str, Any], nbytes: int) -> None:
         """Buffer a payload, acknowledged (the caller checked the limits)."""

@@ -544,6 +544,41 @@ async def test_a_held_payload_expires_with_its_transfer(make_service):
     assert (await rx.connector.get("k0", timeout=1))["x"].nbytes == size
 
 
+@pytest.mark.parametrize("lane", ["same-host", "tcp"])
+@pytest.mark.parametrize("given_up_by", ["deadline", "cancel"])
+async def test_a_held_payload_its_sender_gave_up_is_never_delivered(make_service, given_up_by, lane):
+    """The receiver holds a payload's acknowledgement (its buffer is full) and the sender gives
+    the put up first: its deadline (the sender's transfer_timeout is the shorter one) or an
+    immediate cancel.  Its put fails, and a reader who frees space later must not get it.
+    Before, the held payload was acknowledged and buffered once space came: a put reported
+    failed was delivered all the same.  Now the sender's ``Abort`` makes the receiver let it go."""
+    size = 64 * 1024
+    tcp = {"ucx_tls": "tcp", "same_host_lane": False} if lane == "tcp" else {}
+    tx = await make_service("tx", agent={"transfer_timeout": 0.5, **tcp})
+    rx = await make_service("rx", agent={"transfer_timeout": 30.0, **tcp},
+                            connector={"name": "ucx", "extra": {"max_buffered_bytes": size}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    await asyncio.wait_for(tx.connector.put("rx", "k0", {"x": np.zeros(size, np.uint8)}), 5)
+    late = tx.connector.put_nowait("rx", "k1", {"x": np.ones(size, np.uint8)})
+    async with asyncio.timeout(5):
+        while rx.connector.buffered != (2, 2 * size):  # k1 arrived and is held
+            await asyncio.sleep(0.01)
+    if given_up_by == "cancel":
+        late.cancel()
+    with pytest.raises(DeadlineExceeded if given_up_by == "deadline" else TransferCancelled):
+        await asyncio.wait_for(late, 5)
+    async with asyncio.timeout(5):
+        while rx.connector.buffered != (1, size):  # let go at the receiver
+            await asyncio.sleep(0.01)
+    assert (await rx.connector.get("k0", timeout=1))["x"][0] == 0
+    with pytest.raises(DeadlineExceeded):
+        await rx.connector.get("k1", timeout=0.5)
+    assert rx.connector.buffered == (0, 0)
+    assert not rx.agent.transport.links["tx"].sinking
+    await asyncio.wait_for(tx.connector.put("rx", "k1", {"x": np.ones(size, np.uint8)}), 5)  # sent again: arrives
+    assert (await rx.connector.get("k1", timeout=1))["x"][0] == 1
+
+
 
 def _envelope(data, final=False):
     """A chunk as an adapter's save sends it (to put it under a key of our choosing)."""

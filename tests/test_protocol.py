@@ -214,7 +214,7 @@ def test_give_up_in_both_modes_with_and_without_posted_parts(transfers, cancels,
 
     for transfer_id, (parts, messages, noticed) in enumerate(transfers):
         posted[transfer_id] = 0
-        carry_out(box.submit(transfer_id, [(messages, 0, transfer_id)] * parts, noticed=noticed))
+        carry_out(box.submit(transfer_id, [(messages, 0, transfer_id)] * parts, abortable=noticed))
     kept, settled = set(), set()
     for index, mode in cancels:
         transfer_id = index % len(transfers)

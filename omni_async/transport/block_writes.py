@@ -179,7 +179,7 @@ class BlockWrites(TransportCore):
         live: list[tuple[int, int, Callable[[], None]]] = [
             (count, size, partial(self._if_live, link, transfer.id, post)) for count, size, post in requests
         ]
-        carry_out(link.outbox.submit(transfer.id, live, noticed=notice is not None or announced))
+        carry_out(link.outbox.submit(transfer.id, live, abortable=notice is not None or announced))
         return transfer
 
     def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:

@@ -58,7 +58,7 @@ from ..wire import (
     with_length,
 )
 from .lane import Completion, Lane, new_context
-from .link import MessageSink, PeerLink, Sent
+from .link import MessageRetract, MessageSink, PeerLink, Sent
 from .notices import NoticeQueue, sink_error
 from .pool import ReceivePool
 from .protocol import GiveUp
@@ -105,6 +105,7 @@ class TransportCore(ABC):
         self.config = config
         self.metrics = metrics
         self.message_sink: MessageSink | None = None
+        self.message_retract: MessageRetract | None = None
         self.sink_tasks = SinkTasks()
         """The tasks of async notice and message sinks (ended by :meth:`close`)."""
         self.notices = NoticeQueue(config.notice_queue, self.sink_tasks)

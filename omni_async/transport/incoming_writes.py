@@ -110,9 +110,9 @@ class IncomingWrites(TransportCore):
             link.ring_in.stay_awake(0)  # no other commit is due
         answer(refusal)
 
-    def _on_abort(self, link: PeerLink, abort: Abort) -> None:
+    def _abort_write(self, link: PeerLink, abort: Abort) -> None:
         """The sender gave a write with a notice up: it fails once the requests seen are in;
-        its intents with no commit (a copy that failed) fail now."""
+        its intents with no commit (a copy that failed) fail now.  (Any other id: nothing.)"""
         error = error_from_code(abort.code, abort.reason or "the sender gave the write up")
         self._queue_notices(link.notices.aborted(abort.transfer_id, error))
         for key in [key for key in link.intents if key[0] == abort.transfer_id]:

@@ -42,6 +42,10 @@ goes back to it when the last reference to them is dropped; nothing else release
 The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
 if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
 """
+MessageRetract = Callable[[str, str], None]
+"""``retract(peer_id, key)``: the peer gave up (deadline, cancel) the message it sent under
+``key`` while the awaitable the sink returned for it is still pending, and was told it failed:
+drop what is held of it, and complete (or fail) that awaitable, which sends the answer."""
 
 
 class Sent:
@@ -127,6 +131,9 @@ class PeerLink:
     reads_refused: int = 0
     """The peer's read requests refused because :data:`~.block_writes.MAX_SERVED_READS` were
     being served, or for asking for more blocks than its region has rows (the first is logged)."""
+    sinking: dict[int, str] = field(default_factory=dict)
+    """The keys of the peer's chunk messages whose sink returned an awaitable not completed
+    yet (their answer waits for it), by transfer: an ``Abort`` from the peer retracts them."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""

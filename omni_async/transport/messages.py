@@ -87,7 +87,8 @@ class Messages(TransportCore):
         transfer = self._new_transfer(link, sum(sizes), "messages")
         payload = [view for view in views if view.nbytes]
         post = partial(self._post_message, link, transfer.id, key, meta, sizes, payload)
-        carry_out(link.outbox.submit(transfer.id, [(1 if payload else 0, transfer.nbytes, post)]))
+        # Abortable: given up once sent, the receiver lets it go if its sink still holds it.
+        carry_out(link.outbox.submit(transfer.id, [(1 if payload else 0, transfer.nbytes, post)], abortable=True))
         return transfer
 
     def batch_bytes(self, peer_id: str) -> int:
@@ -285,7 +286,8 @@ class Messages(TransportCore):
         if pending is not None and inspect.isawaitable(pending):
             answer = partial(self._answer, link, transfer_id, "messages", nbytes)
             sink_task = self.sink_tasks.start(pending, f"omni-message-sink-{link.peer.peer_id}")
-            sink_task.add_done_callback(partial(self._sink_done, answer))
+            link.sinking[transfer_id] = hdr.key
+            sink_task.add_done_callback(partial(self._sink_done, link, transfer_id, answer))
         elif ring:
             self.metrics.answered("messages", nbytes, "ok", link.peer.peer_id)
             link.acks.append(transfer_id)
@@ -294,8 +296,25 @@ class Messages(TransportCore):
         else:
             self._answer(link, transfer_id, "messages", nbytes, None)
 
+    def _retract_message(self, link: PeerLink, transfer_id: int) -> None:
+        """The sender gave message ``transfer_id`` up (its ``Abort``): if the sink's awaitable
+        for it is still pending (e.g. the connector holds its acknowledgement back while its
+        buffer is full), :attr:`message_retract` is told, so the message is not delivered after
+        its sender was told it failed."""
+        key = link.sinking.get(transfer_id)
+        retract = self.message_retract
+        if key is None or retract is None:
+            return
+        try:
+            retract(link.peer.peer_id, key)
+        except Exception:  # the application's callback fails only itself
+            log.exception("message retract callback failed on %r from %s", key, link.peer.peer_id)
+
     @staticmethod
-    def _sink_done(answer: Callable[[BaseException | None], None], task: asyncio.Future[None]) -> None:
+    def _sink_done(
+        link: PeerLink, transfer_id: int, answer: Callable[[BaseException | None], None], task: asyncio.Future[None]
+    ) -> None:
+        link.sinking.pop(transfer_id, None)
         if task.cancelled():
             answer(TransferFailed("the receiver cancelled the message"))
             return

@@ -150,13 +150,13 @@ class Inbox(Generic[T]):
 class _Out:
     """What the sender still awaits for one transfer."""
 
-    __slots__ = ("error", "noticed", "parts", "posted")
+    __slots__ = ("abortable", "error", "parts", "posted")
 
-    def __init__(self, parts: int, noticed: bool) -> None:
+    def __init__(self, parts: int, abortable: bool) -> None:
         self.parts = parts  # requests not answered yet
         self.posted = 0  # requests handed to the driver
         self.error: tuple[str, str] | None = None  # the first failed answer: (code, reason)
-        self.noticed = noticed  # a write with a notice: the receiver is told if it is given up
+        self.abortable = abortable  # the receiver is told (an Abort) if it is given up after a post
 
 
 class GiveUp(Enum):
@@ -196,10 +196,12 @@ class Outbox(Generic[T]):
         self.next_seq += count
         return seq
 
-    def submit(self, transfer_id: int, requests: list[tuple[int, int, T]], noticed: bool = False) -> list[T]:
-        """A new transfer of ``(payload messages, chunk bytes, post)`` requests (``noticed``:
-        a block write with a notice); returns the posts to carry out now."""
-        out = self._out[transfer_id] = _Out(len(requests), noticed)
+    def submit(self, transfer_id: int, requests: list[tuple[int, int, T]], abortable: bool = False) -> list[T]:
+        """A new transfer of ``(payload messages, chunk bytes, post)`` requests; returns the
+        posts to carry out now.  ``abortable``: the receiver must hear if it is given up after
+        a request left (a block write with a notice: its notice fails; a chunk message: a sink
+        still holding it lets it go)."""
+        out = self._out[transfer_id] = _Out(len(requests), abortable)
         if len(requests) == 1 and not self._queue:  # the common case, as _pump would do it
             messages, nbytes, post = requests[0]
             if self.window.fits(messages, nbytes):
@@ -243,15 +245,15 @@ class Outbox(Generic[T]):
         """This side gives the transfer up: a cancel in ``mode``, or (``"immediate"``) its
         deadline passed or a send or local copy failed.  ``"wait"`` keeps a transfer some
         request of which left this side until the receiver answers (the data plane may still
-        read its source); otherwise it settles now, after an ``Abort`` if it is a write with a
-        notice some of which was posted (the receiver's application must hear it failed).
+        read its source); otherwise it settles now, after an ``Abort`` if it was submitted
+        ``abortable`` and some of it was posted (the receiver must hear it was given up).
         Unknown ids (answered, never submitted) settle now.  Changes nothing: the driver
         :meth:`forget`-s what it settles."""
         if not self.posted(transfer_id):
             return GiveUp.SETTLE
         if mode == "wait":
             return GiveUp.KEEP
-        return GiveUp.ABORT if self._out[transfer_id].noticed else GiveUp.SETTLE
+        return GiveUp.ABORT if self._out[transfer_id].abortable else GiveUp.SETTLE
 
     def forget(self, transfer_id: int) -> list[T]:
         """The transfer settled locally: drop its waiting requests; returns posts now possible

@@ -56,6 +56,7 @@ from ..wire import (
 from .block_writes import BlockWrites
 from .core import TransportCore
 from .incoming_writes import IncomingWrites
+from .link import PeerLink
 from .messages import Messages
 from .peers import Peers
 
@@ -68,6 +69,12 @@ class UcxTransport(Peers, BlockWrites, IncomingWrites, Messages):
     it (``remove_peer``).  Chunk messages go to :attr:`message_sink` (unset: refused).
     """
 
+    def _on_abort(self, link: PeerLink, abort: Abort) -> None:
+        """The peer gave a transfer up: a write of its with a notice fails, a message of its
+        that a sink still holds is let go."""
+        self._abort_write(link, abort)
+        self._retract_message(link, abort.transfer_id)
+
     _HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
         Goodbye: TransportCore._on_goodbye,
         Ack: TransportCore._on_ack,
@@ -77,7 +84,7 @@ class UcxTransport(Peers, BlockWrites, IncomingWrites, Messages):
         RkeyOffer: Peers._on_rkey_offer,
         ReadRequest: BlockWrites._on_read,
         Commit: IncomingWrites._on_commit,
-        Abort: IncomingWrites._on_abort,
+        Abort: _on_abort,
         MessageHeader: Messages._on_message,
     }
     _RING_HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
