@@ -12,11 +12,12 @@ Receiving side contract: a payload that arrives before anyone asked for it is bu
 until ``get`` frees space, so the sender's ``put`` (which resolves on that acknowledgement) is
 back-pressured (for at most the agent's ``transfer_timeout``: then the payload is dropped and
 the ``put`` fails with ``DeadlineExceeded``; a payload whose sender gives it up first, its own
-deadline or a cancel, is dropped when the sender's ``Abort`` arrives).  As many bytes again may wait held; past that, or past
-``max_buffered_payloads``, the payload is refused and the sender's ``put`` fails with
-:class:`~omni_async.errors.BufferFull`.  Nothing is dropped silently: a payload that fails to
-decode fails the sender's ``put`` and the local ``get`` of that key with
-:class:`~omni_async.errors.ProtocolError`.
+deadline or a cancel, is dropped when the sender's ``Abort`` arrives).  As many bytes again
+may wait held; past that, or past ``max_buffered_payloads``, the payload is refused and the
+sender's ``put`` fails with :class:`~omni_async.errors.BufferFull`.  A payload's bytes are its
+frames' and, for a large header, a bound on what its decoded values take (:func:`charge`).
+Nothing is dropped silently: a payload that fails to decode fails the sender's ``put`` and the
+local ``get`` of that key with :class:`~omni_async.errors.ProtocolError`.
 
 Payload arrays are the receiver's to keep: large ones from a peer on this host are views of
 the agent's receive pool (:mod:`omni_async.transport.pool`), whose memory is reused only once
@@ -41,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import pairwise
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import msgspec
 import xxhash
@@ -203,7 +204,9 @@ class UcxOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     max_buffered_bytes: int = 256 << 20
     """Payload bytes buffered before acknowledgements are held back; as many again may wait with
-    their acknowledgement held, past that a payload is refused with BufferFull."""
+    their acknowledgement held, past that a payload is refused with BufferFull.  A payload counts
+    its frames' bytes, and, for a header longer than :data:`FREE_HEADER_BYTES`, what its
+    decoded values may take (see :func:`charge`)."""
     max_buffered_payloads: Positive = 65536
     """Payloads buffered at once (acknowledged or held); past it a payload is refused with
     BufferFull."""
@@ -561,7 +564,7 @@ class UcxConnector(Connector):
         if waiter is not None:
             self._hand_over(key, waiter).set_result(payload)
             return None
-        return self._buffer(peer_id, key, payload, sum(frame.nbytes for frame in frames))
+        return self._buffer(peer_id, key, payload, charge(meta, frames))
 
     def _claim(self, peer_id: str, key: str) -> _Wait | None:
         """The live wait a payload for ``key`` from ``peer_id`` goes to (None: nobody waits, it
@@ -611,7 +614,7 @@ class UcxConnector(Connector):
                 payload = serde.decode(self._checked(item.header, own), own)
             except Exception:  # sent alone, it fails on its own (and so does its reader's wait)
                 raise BatchRefused(f"{key!r} does not decode") from None
-            size = sum(frame.nbytes for frame in own)
+            size = charge(item.header, own)
             if waiter is None:
                 buffered += 1
                 nbytes += size
@@ -676,6 +679,22 @@ class UcxConnector(Connector):
         if dropped:
             log.info("dropped %d payloads of peers that left %ss ago", dropped, self.options.orphan_timeout)
         self._admit()
+
+
+FREE_HEADER_BYTES: Final = 64
+"""Header bytes of a buffered payload not charged for their decoded values: every small
+chunk's header fits (``{"x": array}``: 16 bytes, an adapter's chunk envelope ~64)."""
+
+
+def charge(header: bytes, frames: Frames) -> int:
+    """What a payload counts against ``max_buffered_bytes``: its frames' bytes, plus
+    :data:`~omni_async.serde.DECODED_PER_HEADER_BYTE` for each header byte past
+    :data:`FREE_HEADER_BYTES`: the most its decoded values may take, so frameless payloads
+    whose headers decode into millions of objects fill the buffer, not the memory (a 48 KiB
+    header of empty mappings decodes into 3.5 MiB)."""
+    extra = len(header) - FREE_HEADER_BYTES
+    nbytes = sum(frame.nbytes for frame in frames)
+    return nbytes + extra * serde.DECODED_PER_HEADER_BYTE if extra > 0 else nbytes
 
 
 _DIGEST_BYTES = 8

@@ -468,6 +468,36 @@ async def test_buffer_limits_are_checked_before_storing(make_service):
     assert rx.connector.buffered == (12, 0)
 
 
+async def test_payloads_whose_headers_decode_into_many_objects_are_charged_for_them(make_service):
+    """Frameless payloads whose 16 KB headers decode into 1.1 MB of objects each count that
+    against ``max_buffered_bytes``: acknowledged while they fit, held while as many again fit,
+    then refused.  Before, they counted 0 bytes: a peer could buffer ``max_buffered_payloads`` of
+    them whatever the limit (65,536 x 3.5 MiB with 48 KiB headers)."""
+    from omni_async import serde
+    from omni_async.connector import charge
+
+    limit = 4 << 20
+    tx = await make_service("tx")
+    rx = await make_service("rx", connector={"name": "ucx", "extra": {"max_buffered_bytes": limit}})
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    payload = {"junk": [{}] * 16000}
+    each = charge(serde.encode(payload)[0], [])
+    fits = limit // each
+    assert each > 1_000_000 and fits == 3
+    puts = [tx.connector.put_nowait("rx", f"j{i}", payload) for i in range(8)]
+    async with asyncio.timeout(10):
+        while sum(p.done() for p in puts) < 8 - fits or rx.connector.buffered[0] < 2 * fits:
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)  # nothing more settles while nobody reads
+    outcomes = [type(p.error()).__name__ if p.done() else "held" for p in puts]
+    assert outcomes == ["NoneType"] * fits + ["held"] * fits + ["BufferFull"] * (8 - 2 * fits), outcomes
+    assert rx.connector.buffered == (2 * fits, 2 * fits * each)
+    for i in range(2 * fits):  # a reader frees space: the held ones are acknowledged in order
+        assert len((await rx.connector.get(f"j{i}", timeout=5))["junk"]) == 16000
+    await asyncio.wait_for(asyncio.gather(*puts[: 2 * fits]), 5)
+    assert rx.connector.buffered == (0, 0)
+
+
 async def test_a_payload_larger_than_the_buffer_is_refused_at_once(make_service):
     """A payload nobody asked for that is larger than ``max_buffered_bytes`` could never be
     acknowledged: it is refused with BufferFull at once, with nothing held or stored (it was

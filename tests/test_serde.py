@@ -182,3 +182,28 @@ def test_fuzz_decode_mutated(data):
         serde.decode(bytes(mutated), received)
     except ProtocolError:
         pass
+
+
+@pytest.mark.parametrize("values", ["mappings", "lists", "nested", "strings", "ints", "small"])
+def test_a_buffered_payloads_charge_bounds_what_its_header_decodes_into(values):
+    """``connector.charge`` counts, past the first ``FREE_HEADER_BYTES`` of a header,
+    ``DECODED_PER_HEADER_BYTE`` per byte: at least what the decoded values take (measured with
+    tracemalloc), whatever their shape."""
+    import tracemalloc
+
+    from omni_async.connector import FREE_HEADER_BYTES, charge
+
+    value = {"mappings": [{}] * 4000, "lists": [[]] * 4000, "nested": [[[{}]]] * 1000,
+             "strings": [f"s{i}" for i in range(4000)], "ints": list(range(4000)), "small": [{}]}[values]
+    header, frames = serde.encode({"k": value, "x": np.zeros(8, np.uint8)})
+    arrays = [np.frombuffer(memoryview(frame).cast("B"), np.uint8) for frame in frames]
+    tracemalloc.start()
+    try:
+        payload = serde.decode(header, arrays)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(payload["k"]) == len(value)
+    free = FREE_HEADER_BYTES * serde.DECODED_PER_HEADER_BYTE  # a small header's values go uncharged
+    assert used <= charge(header, arrays) - sum(a.nbytes for a in arrays) + free, (used, len(header))
+    assert charge(header, arrays) >= sum(a.nbytes for a in arrays)
