@@ -101,7 +101,8 @@ class Agent(Startable):
             return self
         check_ucx_environment(self.config, os.environ)
         self._transport = UcxTransport(
-            self.regions, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id
+            self.regions, self.config, fault=self._fault, metrics=self.metrics, host_id=self.identity.host_id,
+            peer_id=self.identity.peer_id,
         )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         self.metrics.heartbeat = self._control.last_seen
@@ -194,7 +195,9 @@ class Agent(Startable):
         Either side may dial at any moment, both at once too: of crossing handshakes exactly
         one joins the pair (the one dialled by the smaller peer id, see
         :func:`~omni_async.handshake.admit`); this returns once no other handshake of the pair
-        is in progress here.  Raises :class:`~omni_async.errors.HandshakeTimeout`,
+        is in progress here, and, for a peer on this host, once it proved which process it is
+        (at most ``handshake_timeout``: the same-host lane, see
+        :mod:`omni_async.transport.pid_proof`).  Raises :class:`~omni_async.errors.HandshakeTimeout`,
         :class:`FingerprintMismatch`, :class:`LayoutMismatch` (or another
         :class:`HandshakeRejected`) with the reason, and :class:`AlreadyConnected` if the pair
         is joined (or being joined) through another handshake: that one's connection stays.
@@ -227,6 +230,9 @@ class Agent(Startable):
             if counted and conn is not None:
                 self._handshake_ended(conn.info.peer_id)
         await self._settled(conn.info.peer_id)
+        # A peer on this host proves which process it is before its region is written directly:
+        # return once it did, so the writes that follow take the same-host lane.
+        await transport.same_host_settled(conn.info.peer_id, self.config.handshake_timeout)
         return conn.info.peer_id
 
     async def remove_peer(self, peer_id: str) -> bool:

@@ -22,7 +22,7 @@ from .errors import ProtocolError
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 
 # -- limits ---------------------------------------------------------------------------------
 MAX_CONTROL_BYTES: Final = 64 * 1024
@@ -316,8 +316,25 @@ class RkeyOffer(_Msg, tag="rkey", frozen=True):
                     msgspec.Meta(min_length=1, max_length=MAX_LAYERS)]
 
 
+class ProofRequest(_Msg, tag="proof?", frozen=True):
+    """A peer on this host asks which process this side is (see
+    :mod:`omni_async.transport.pid_proof`): hold open an empty memfd named
+    ``proof_name(nonce, <its peer id>)`` for the link's life, then answer :class:`ProofReady`.
+    One per link: a second breaks the protocol."""
+
+    nonce: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+
+
+class ProofReady(_Msg, tag="proof", frozen=True):
+    """The answer to this side's :class:`ProofRequest` of ``nonce``: the proof is held.  One
+    that answers no request of ours breaks the protocol."""
+
+    nonce: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+
+
 DataHeader: TypeAlias = (
     WriteRequest | ReadRequest | MessageHeader | Ack | Acks | Abort | Commit | Goodbye | RingOffer | RkeyOffer
+    | ProofRequest | ProofReady
 )
 
 _control_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)

@@ -17,14 +17,13 @@ from omni_async.memfd import NAME_PREFIX, SharedSegment
 from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
 from omni_async.transport.vmwrite import VmWriter
 from omni_async.wire import (
-    FULL_MASK,
     HEADER_TAG,
     Ack,
     RegionShare,
+    RingOffer,
     RkeyOffer,
     WriteRequest,
     decode_control,
-    decode_framed,
     encode_control,
     encode_header,
 )
@@ -260,6 +259,67 @@ async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
 
 
+def test_a_proof_is_named_for_its_nonce_and_asker_and_found_only_where_it_is_held():
+    from omni_async.transport.pid_proof import holds_proof, make_proof, new_nonce, proof_name
+
+    nonce = new_nonce()
+    assert len(nonce) == 32 and nonce != new_nonce()
+    ours, relayed = proof_name(nonce, "a"), proof_name(nonce, "p")
+    assert ours != relayed and ours == proof_name(nonce, "a") and len(ours) <= 249  # a memfd name's limit
+    fd = make_proof(nonce, "a")
+    try:
+        assert holds_proof(os.getpid(), ours)
+        assert not holds_proof(os.getpid(), relayed)
+        assert not holds_proof(os.getppid(), ours)  # another process (the test runner's parent)
+        assert not holds_proof(2**22 + 1, ours)  # no such process
+    finally:
+        os.close(fd)
+    assert not holds_proof(os.getpid(), ours)  # closed: no longer held
+
+
+@pytest.mark.parametrize("answer", ["no proof", "relayed"])
+async def test_a_peer_cannot_point_our_writes_at_another_agents_region(make_agent, answer):
+    """A peer ``p`` that joined another agent ``q`` on this host offers ``q``'s region share
+    (and base address) as its own.  Every check of a share passes (its proofs really are in
+    ``q``), and our writes to ``p`` were copied into ``q``'s region.  Now ``p`` must first hold,
+    in the process the share names, a memfd named for our nonce *and our id*: it cannot make
+    one there ("no proof": it just says ready), and relaying our nonce to ``q`` gets one named
+    for ``p`` ("relayed").  Our writes to it stay on UCX; ``q``'s rows are never touched."""
+    from omni_async.transport.pid_proof import holds_proof, proof_name
+    from omni_async.wire import HEADER_TAG, ProofReady, ProofRequest, encode_header
+    from tests.helpers.rogue import Rogue
+
+    q = await make_agent(peer_id="q", heartbeat_timeout=30.0)
+    a = await make_agent(peer_id="a", heartbeat_timeout=30.0)
+    a.region.array[:] = 7
+    share = q.identity.region_share
+    assert share is not None
+    async with (
+        Rogue.join(q.control_address, peer_id="p") as to_q,  # p as q's peer: its relay
+        Rogue.join(a.control_address, peer_id="p", prove=False, host_id=a.transport.host_id, region_share=share,
+                   base_addr=q.identity.base_addr) as p,
+    ):
+        async with asyncio.timeout(5):
+            while not p.requests:
+                await asyncio.sleep(0.01)
+        nonce = p.requests[0].nonce
+        if answer == "relayed":
+            to_q.send(encode_header(ProofRequest(nonce)), HEADER_TAG)
+            async with asyncio.timeout(5):
+                while not holds_proof(os.getpid(), proof_name(nonce, "p")):  # q made it, named for p
+                    await asyncio.sleep(0.01)
+        p.send(encode_header(ProofReady(nonce)), HEADER_TAG)
+        link = a.transport.links["p"]
+        async with asyncio.timeout(5):
+            while not link.proven:
+                await asyncio.sleep(0.01)
+        assert a.transport.direct_kind("p") is None
+        write = a.write_blocks("p", [0, 1, 2], [0, 1, 2])  # over UCX: p never answers
+        await asyncio.sleep(0.3)
+        assert not q.region.array.any()
+        write.cancel()
+
+
 async def test_a_placed_write_settles_only_on_the_receivers_ack(make_agent, spawn_peer, tmp_path):
     """The rows are in place at once, yet the transfer waits for the receiver's answer: the
     receiver is a process stopped (SIGSTOP) before the write, so it cannot answer until resumed."""
@@ -300,15 +360,12 @@ async def test_placed_header_out_of_range_is_refused_and_writes_nothing(make_age
     async with Rogue.join(b.control_address) as rogue:
         answered: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
 
-        def header_arrived(_tag: int, length: int, message: object) -> None:
-            buffer = np.empty(length, np.uint8)
-            rogue.lane.recv_arrived(buffer, message, lambda _error: received(decode_framed(buffer)[0]))
-
         def received(header: object) -> None:
-            if not isinstance(header, RkeyOffer):  # b offers a peer on another lane its keys for puts first
+            # b offers its keys for puts, or its ring, first
+            if not isinstance(header, RkeyOffer | RingOffer) and not answered.done():
                 answered.set_result(header)
 
-        rogue.lane.watch(HEADER_TAG, FULL_MASK, header_arrived)
+        rogue.on_header = received
         rogue.send(encode_header(WriteRequest(1, 0, [(NUM_BLOCKS - 1, 2)], placed=True)), HEADER_TAG)
         ack = await asyncio.wait_for(answered, 5)
         assert isinstance(ack, Ack) and ack.transfer_id == 1

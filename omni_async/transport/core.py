@@ -97,11 +97,14 @@ class TransportCore(ABC):
         fault: FaultCallback,
         metrics: Metrics,
         host_id: str = "",
+        peer_id: str = "",
     ) -> None:
         self.regions = as_region_set(region)
         self.region = self.regions.regions[0]
         self._arrays = self.regions.arrays
         self.host_id = host_id
+        self.peer_id = peer_id
+        """This agent's peer id (what peers on this host name the proofs they make for us)."""
         self.config = config
         self.metrics = metrics
         self.message_sink: MessageSink | None = None

@@ -20,9 +20,7 @@ from ..errors import (
 )
 from ..handshake import PeerInfo
 from ..metrics import Kind
-from ..wire import (
-    MAX_PENDING_PAYLOADS,
-)
+from ..wire import MAX_PENDING_PAYLOADS, RingOffer
 from .lane import RNDV_THRESH_SHM, Completion, Lane
 from .limits import Window
 from .notices import NoticeBook
@@ -113,6 +111,17 @@ class PeerLink:
     """The peer's ring, once it offered one and we mapped it; None: send over UCX."""
     ring_offered: bool = False
     """The peer offered its ring (one offer per link: a second breaks the protocol)."""
+    ring_offer: RingOffer | None = None
+    """The peer's ring offer, kept until its process is proven (:attr:`proof`)."""
+    proof: str = ""
+    """The memfd name (:func:`~.pid_proof.proof_name`) of our :class:`~omni_async.wire.ProofRequest`
+    to a peer on this host, once sent; "" if none was."""
+    proven: bool = False
+    """The peer answered our ProofRequest: a process holding :attr:`proof` is the peer's."""
+    proving: asyncio.Future[None] | None = None
+    """Done once the peer answered our ProofRequest, or the link ended (None: none was sent)."""
+    proof_fd: int = -1
+    """The memfd that answers the peer's ProofRequest, held while the link lives; -1: none yet."""
     parked: deque[Message] = field(default_factory=deque)
     """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
     remote_keys: list[int] | None = None

@@ -1,13 +1,16 @@
 """The transport's peers: a lane opened, vetted and connected, the peer added (a same-host
-ring and our remote keys offered, the peer's taken after vetting), removed (its transfers
-failed, its rings, writer and keys released) and its lane drained with a goodbye, bounded by
-``DRAIN_TIMEOUT``; the transport closed.
+ring and our remote keys offered, the peer's taken after vetting; a peer on this host asked
+to prove which process it is before its region or ring is used, :mod:`.pid_proof`), removed
+(its transfers failed, its rings, writer, proof and keys released) and its lane drained with a
+goodbye, bounded by ``DRAIN_TIMEOUT``; the transport closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from functools import partial
 
 from ..errors import (
@@ -23,6 +26,8 @@ from ..wire import (
     HEADER_TAG,
     KIND_MASK,
     Goodbye,
+    ProofReady,
+    ProofRequest,
     RingOffer,
     RkeyOffer,
     encode_header,
@@ -31,11 +36,12 @@ from .core import TransportCore, ignore
 from .lane import Lane
 from .limits import receive_budget
 from .link import PeerLink, awaits_answer
+from .pid_proof import holds_proof, make_proof, new_nonce, proof_name
 from .pool import shared_pool_bytes
 from .protocol import Deadlines
 from .rma import Registration
 from .samehost import LINGER, RingReceiver, RingSender
-from .shared import Refused, open_writers
+from .shared import Refused, open_writers, share_pids
 from .vetting import NotVetted
 
 log = logging.getLogger(__name__)
@@ -80,8 +86,6 @@ class Peers(TransportCore):
             gather=peer.host_id == self.host_id and self.config.ucx_tls != "tcp",
             receive_bytes=receive_budget(self.config.max_message_bytes),
         )
-        if self.config.same_host_lane:
-            link.direct = open_writers(peer, self.host_id)
         self._links[peer.peer_id] = link
         lane.watch(HEADER_TAG, FULL_MASK, partial(self._header_arrived, link))
         lane.watch(DATA_KIND, KIND_MASK, partial(self._data_arrived, link))
@@ -90,8 +94,65 @@ class Peers(TransportCore):
         lane.expecting = lambda: (bool(link.sent) and link.ring_out is None) or link.inbox.expecting
         # Not once removed: a draining lane has no rings left, yet nothing to stay hot for.
         lane.stay_hot = lambda: link.ring_out is None and link.ring_in is None and self._links.get(peer.peer_id) is link
+        if self.config.same_host_lane and self.host_id and peer.host_id == self.host_id:
+            self._challenge(link)  # its region and its ring are used once it proved its process
         self._offer_ring(link)
         self._offer_keys(link)
+
+    def _challenge(self, link: PeerLink) -> None:
+        """Ask a peer on this host which process it is (see :mod:`.pid_proof`)."""
+        nonce = new_nonce()
+        link.proof = proof_name(nonce, self.peer_id)
+        link.proving = self._loop.create_future()
+        link.lane.send(encode_header(ProofRequest(nonce)), HEADER_TAG, ignore)
+
+    async def same_host_settled(self, peer_id: str, timeout: float) -> None:
+        """Wait until a peer on this host answered our proof request (see :mod:`.pid_proof`),
+        so that writes to it take the same-host lane from now on if its process proved it
+        offers its own region; at most ``timeout`` seconds (then they stay on UCX until it
+        answers).  Returns at once for any other peer, or one no longer joined."""
+        link = self._links.get(peer_id)
+        if link is None or link.proving is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(link.proving), timeout)
+
+    def _on_proof_request(self, link: PeerLink, request: ProofRequest) -> None:
+        """The peer asks which process we are: hold the proof its nonce names for it, and say
+        so.  A link takes one request: a second breaks the protocol (the peer is dropped)."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return
+        if link.proof_fd >= 0:
+            self._drop(link, ProtocolError("a second proof request"))
+            return
+        try:
+            link.proof_fd = make_proof(request.nonce, link.peer.peer_id)
+        except OSError as exc:  # then the peer keeps its writes to us on UCX
+            log.warning("cannot prove this process to %s: %s", link.peer.peer_id, exc)
+            return
+        link.lane.send(encode_header(ProofReady(request.nonce)), HEADER_TAG, ignore)
+
+    def _on_proof_ready(self, link: PeerLink, ready: ProofReady) -> None:
+        """The peer holds the proof we asked for: write its region directly, and send through
+        its ring, only where the process they name holds it (else they are another process's:
+        logged, and the link stays on UCX).  One that answers no request of ours, or a second
+        one, breaks the protocol."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return
+        if not link.proof or link.proven or proof_name(ready.nonce, self.peer_id) != link.proof:
+            self._drop(link, ProtocolError("a proof that answers no request of ours"))
+            return
+        link.proven = True
+        pids = share_pids(link.peer)
+        if pids and all(holds_proof(pid, link.proof) for pid in pids):
+            link.direct = open_writers(link.peer, self.host_id)
+        elif pids:
+            log.warning("peer %s offered the region of process %s, which is not the peer: its writes go through UCX",
+                        link.peer.peer_id, sorted(pids))
+        offer, link.ring_offer = link.ring_offer, None
+        if offer is not None:
+            self._map_ring(link, offer)
+        _settle_proving(link)
 
     def _offer_ring(self, link: PeerLink) -> None:
         """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
@@ -126,6 +187,20 @@ class Peers(TransportCore):
         link.ring_offered = True
         if link.ring_in is None:
             log.warning("ignored a ring offer from %s (not a same-host link here)", link.peer.peer_id)
+            return
+        if link.proven:
+            self._map_ring(link, offer)
+        else:
+            link.ring_offer = offer  # mapped once the peer proved its process
+
+    def _map_ring(self, link: PeerLink, offer: RingOffer) -> None:
+        """Send through the peer's ring from now on, if it is the proven process's and can be
+        mapped (else the link stays on UCX, logged).  Not once our own ring is gone (it broke)."""
+        if link.ring_in is None:
+            return
+        if not holds_proof(offer.pid, link.proof):
+            log.warning("peer %s offered the ring of process %d, which is not the peer: headers go through UCX",
+                        link.peer.peer_id, offer.pid)
             return
         try:
             link.ring_out = RingSender(offer)
@@ -213,6 +288,10 @@ class Peers(TransportCore):
             link.keying.add_done_callback(self._keyings.discard)
         self._drop_direct(link)
         self._drop_rings(link)
+        if link.proof_fd >= 0:
+            os.close(link.proof_fd)
+            link.proof_fd = -1
+        _settle_proving(link)
         if link.timer is not None:
             link.timer.cancel()
             link.timer = None
@@ -296,3 +375,9 @@ class Peers(TransportCore):
 
 def _nothing() -> None:
     """Release of a notice with no acknowledgement held (its sender is gone)."""
+
+
+def _settle_proving(link: PeerLink) -> None:
+    """The wait for the peer's proof ends (it answered, or the link ended)."""
+    if link.proving is not None and not link.proving.done():
+        link.proving.set_result(None)

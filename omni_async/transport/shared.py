@@ -295,6 +295,12 @@ class Writers:
             writer.close()
 
 
+def share_pids(peer: PeerInfo) -> set[int]:
+    """The processes the peer's region shares name (one per region of its set that has a share)."""
+    layers = (peer.layer(index) for index in range(len(peer.layers) + 1))
+    return {layer.region_share.pid for layer in layers if layer.region_share is not None}
+
+
 def open_writers(peer: PeerInfo, host_id: str) -> Writers | None:
     """Direct writers for every region of the peer's set, or None (UCX) unless all open."""
     writers = [open_writer(peer.layer(i), host_id) for i in range(len(peer.layers) + 1)]

@@ -1,7 +1,9 @@
 """A rogue data-plane peer: a real handshake over ZeroMQ, then raw UCX messages on its lane.
 
 In-process: ``async with Rogue.join(address) as rogue`` (the agent sees a peer ``rogue``;
-``rogue.lane`` is connected to its lane and the rogue keeps heartbeating).
+``rogue.lane`` is connected to its lane and the rogue keeps heartbeating).  It takes every
+header the agent sends it and answers a :class:`~omni_async.wire.ProofRequest` as an honest
+peer does (the proof in this process), unless ``prove=False``.
 
 ``python -m tests.helpers.rogue flood ADDRESS`` joins, prints ``{"joined": true}`` and then
 sends valid empty chunk messages as fast as it can until killed.
@@ -21,23 +23,29 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
 from omni_async.transport.lane import Lane, new_context
+from omni_async.transport.pid_proof import make_proof
 from omni_async.wire import (
+    FULL_MASK,
     HEADER_TAG,
     PROTOCOL_VERSION,
     Ack,
     Heartbeat,
     Hello,
     MessageHeader,
+    ProofReady,
+    ProofRequest,
     RingOffer,
     Welcome,
     decode_control,
+    decode_framed,
     encode_control,
     encode_header,
     encode_record,
@@ -45,28 +53,54 @@ from omni_async.wire import (
 
 
 class Rogue:
-    def __init__(self, lane: Lane, sock: Any) -> None:
+    def __init__(self, lane: Lane, sock: Any, agent_id: str, prove: bool) -> None:
         self.lane = lane
         self.sock = sock
+        self.agent_id = agent_id
+        self.prove = prove
+        self.proof_fd = -1
+        self.requests: list[ProofRequest] = []
+        """The proof requests the agent sent us."""
+        self.on_header: Callable[[Any], None] | None = None
+        """Called with every other header the agent sends us (set by a test)."""
+        lane.watch(HEADER_TAG, FULL_MASK, self._header_arrived)
+
+    def _header_arrived(self, _tag: int, length: int, message: Any) -> None:
+        buffer = np.empty(length, np.uint8)
+
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                return
+            header, _end = decode_framed(buffer.data)
+            if isinstance(header, ProofRequest):
+                self.requests.append(header)
+                if self.prove and self.proof_fd < 0:
+                    self.proof_fd = make_proof(header.nonce, self.agent_id)
+                    self.send(encode_header(ProofReady(header.nonce)), HEADER_TAG)
+            elif self.on_header is not None:
+                self.on_header(header)
+
+        self.lane.recv_arrived(buffer, message, done)
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def join(cls, address: str, peer_id: str = "rogue", *, tls: str = "^cma",
+    async def join(cls, address: str, peer_id: str = "rogue", *, tls: str = "^cma", prove: bool = True,
                    **hello_fields: Any) -> AsyncIterator[Rogue]:
         lane = Lane(new_context(tls, "lo"), asyncio.get_running_loop())
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         beat: asyncio.Task[None] | None = None
+        rogue: Rogue | None = None
         try:
             sock.connect(address)
-            hello = Hello(version=PROTOCOL_VERSION, peer_id=peer_id, nonce=1, agent_metadata=lane.address, base_addr=4096,
-                          num_blocks=64, block_len=4096, fingerprint="", **hello_fields)
+            fields = {"base_addr": 4096, "num_blocks": 64, "block_len": 4096, "fingerprint": "", **hello_fields}
+            hello = Hello(version=PROTOCOL_VERSION, peer_id=peer_id, nonce=1, agent_metadata=lane.address, **fields)
             await sock.send(encode_control(hello))
             welcome = decode_control(await asyncio.wait_for(sock.recv(), 20))
             assert isinstance(welcome, Welcome), welcome
             lane.connect(welcome.agent_metadata)
-            rogue = cls(lane, sock)
+            rogue = cls(lane, sock, welcome.peer_id, prove)
             beat = asyncio.create_task(rogue.heartbeat(), name="rogue-heartbeat")
             yield rogue
         finally:
@@ -78,6 +112,8 @@ class Rogue:
             await lane.wait_closed()
             sock.close(0)
             ctx.term()
+            if rogue is not None and rogue.proof_fd >= 0:
+                os.close(rogue.proof_fd)
 
     async def heartbeat(self) -> None:
         """Send a heartbeat every 50 ms (forever: cancel it)."""
