@@ -231,8 +231,17 @@ class Agent(Startable):
                 self._handshake_ended(conn.info.peer_id)
         await self._settled(conn.info.peer_id)
         # A peer on this host proves which process it is before its region is written directly:
-        # return once it did, so the writes that follow take the same-host lane.
-        await transport.same_host_settled(conn.info.peer_id, self.config.handshake_timeout)
+        # return once it did, so the writes that follow take the same-host lane.  A connect
+        # cancelled meanwhile leaves nothing behind, as one cancelled before: the pair it joined
+        # is left (unless another handshake's connection replaced ours).
+        try:
+            await transport.same_host_settled(conn.info.peer_id, self.config.handshake_timeout)
+        except asyncio.CancelledError:
+            session = self._sessions.get(conn.info.peer_id)
+            if session is not None and session.phase == "joined" and session.connection is conn:
+                self._leave(session, PeerLost("connect cancelled"), orderly=True,
+                            goodbye="handshake abandoned: CancelledError")
+            raise
         return conn.info.peer_id
 
     async def remove_peer(self, peer_id: str) -> bool:

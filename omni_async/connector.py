@@ -511,13 +511,14 @@ class UcxConnector(Connector):
         self._held[stored] = self._loop.call_later(self.agent.config.transfer_timeout, self._expire, stored)
         return space
 
-    def _retract(self, peer_id: str, key: str) -> None:
+    def _retract(self, peer_id: str, key: str, pending: Awaitable[Any]) -> None:
         """The sender gave up the payload it sent under ``key`` (its deadline, a cancel) while
-        we held its acknowledgement: it is dropped, so it is never acknowledged, or delivered,
-        after its sender was told it failed.  One acknowledged already stays (it was delivered
-        before the sender gave up)."""
+        we held its acknowledgement (``pending``: the future :meth:`_buffer` returned for it):
+        it is dropped, so it is never acknowledged, or delivered, after its sender was told it
+        failed.  One acknowledged already stays (it was delivered before the sender gave up),
+        and so does a later payload under the same key."""
         stored = self._stored.get(key, {}).get(peer_id)
-        if stored is not None and stored in self._held:
+        if stored is not None and stored.space is pending and stored in self._held:
             self._drop(stored, TransferCancelled(f"{key!r} was given up by its sender"))
             self._admit()
 

@@ -33,10 +33,11 @@ Payload: TypeAlias = Mapping[str, Any]
 MAX_DEPTH: Final = 32
 MAX_NODES: Final = 100_000
 MAX_NDIM: Final = 32
-DECODED_PER_HEADER_BYTE: Final = 72
-"""The most memory the decoded values take per header byte (measured, ``tracemalloc``): one
-msgpack byte, an empty mapping, becomes a 64-byte dict and its 8-byte slot in its parent (an
-empty list: 64 bytes; strings and numbers far less)."""
+DECODED_PER_HEADER_BYTE: Final = 96
+"""The most memory the decoded values take per header byte: two msgpack bytes, a mapping of
+one entry with an empty key, become a 184-byte dict and its 8-byte slot in its parent (nested
+ones measured 91 B per byte with ``tracemalloc``; an empty mapping 72, an empty list 64,
+strings and numbers far less)."""
 TYPED_LEVELS: Final = 8
 """Levels of nesting below the top mapping that the typed decoder checks in C (its type is
 built level by level, and grows with 2**levels); deeper payloads take the loose decoder."""

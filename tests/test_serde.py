@@ -184,7 +184,8 @@ def test_fuzz_decode_mutated(data):
         pass
 
 
-@pytest.mark.parametrize("values", ["mappings", "lists", "nested", "strings", "ints", "small"])
+@pytest.mark.parametrize("values", ["mappings", "one-key mappings", "chains", "lists", "nested", "strings", "ints",
+                                    "small"])
 def test_a_buffered_payloads_charge_bounds_what_its_header_decodes_into(values):
     """``connector.charge`` counts, past the first ``FREE_HEADER_BYTES`` of a header,
     ``DECODED_PER_HEADER_BYTE`` per byte: at least what the decoded values take (measured with
@@ -193,7 +194,11 @@ def test_a_buffered_payloads_charge_bounds_what_its_header_decodes_into(values):
 
     from omni_async.connector import FREE_HEADER_BYTES, charge
 
-    value = {"mappings": [{}] * 4000, "lists": [[]] * 4000, "nested": [[[{}]]] * 1000,
+    chain: dict[str, object] = {}
+    for _ in range(7):
+        chain = {"": chain}
+    value = {"mappings": [{}] * 4000, "one-key mappings": [{"": {}}] * 4000, "chains": [chain] * 500,
+             "lists": [[]] * 4000, "nested": [[[{}]]] * 1000,
              "strings": [f"s{i}" for i in range(4000)], "ints": list(range(4000)), "small": [{}]}[values]
     header, frames = serde.encode({"k": value, "x": np.zeros(8, np.uint8)})
     arrays = [np.frombuffer(memoryview(frame).cast("B"), np.uint8) for frame in frames]

@@ -259,6 +259,27 @@ async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
 
 
+async def test_a_peer_that_cannot_make_its_proof_answers_at_once_and_stays_on_ucx(make_agent, monkeypatch):
+    """A peer that cannot make its proof memfd (EMFILE, a seccomp filter) still answers: the
+    asker finds no proof and keeps to UCX at once (connect waited the whole handshake timeout
+    for an answer that never came)."""
+    from omni_async.transport import peers
+
+    def no_memfd(_nonce: str, _asker: str) -> int:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(peers, "make_proof", no_memfd)
+    a = await make_agent(NUM_BLOCKS, 4096, peer_id="a", handshake_timeout=5.0)
+    b = await make_agent(NUM_BLOCKS, 4096, peer_id="b", handshake_timeout=5.0)
+    started = time.monotonic()
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    assert time.monotonic() - started < 2
+    assert a.transport.links["b"].proven and a.transport.direct_kind("b") is None
+    a.region.array[4] = 9
+    await asyncio.wait_for(a.write_blocks("b", [4], [5]), 5)  # over UCX
+    assert (b.region.array[5] == 9).all()
+
+
 def test_a_proof_is_named_for_its_nonce_and_asker_and_found_only_where_it_is_held():
     from omni_async.transport.pid_proof import holds_proof, make_proof, new_nonce, proof_name
 

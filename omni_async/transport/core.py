@@ -97,7 +97,8 @@ class TransportCore(ABC):
         fault: FaultCallback,
         metrics: Metrics,
         host_id: str = "",
-        peer_id: str = "",
+        *,
+        peer_id: str,
     ) -> None:
         self.regions = as_region_set(region)
         self.region = self.regions.regions[0]

@@ -40,10 +40,11 @@ goes back to it when the last reference to them is dropped; nothing else release
 The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
 if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
 """
-MessageRetract = Callable[[str, str], None]
-"""``retract(peer_id, key)``: the peer gave up (deadline, cancel) the message it sent under
-``key`` while the awaitable the sink returned for it is still pending, and was told it failed:
-drop what is held of it, and complete (or fail) that awaitable, which sends the answer."""
+MessageRetract = Callable[[str, str, Awaitable[Any]], None]
+"""``retract(peer_id, key, pending)``: the peer gave up (deadline, cancel) the message it sent
+under ``key`` while ``pending``, the awaitable the sink returned for it, has not completed, and
+was told it failed: drop what is held of that message (not a later one under the same key),
+and complete (or fail) ``pending``, which sends the answer."""
 
 
 class Sent:
@@ -120,8 +121,10 @@ class PeerLink:
     """The peer answered our ProofRequest: a process holding :attr:`proof` is the peer's."""
     proving: asyncio.Future[None] | None = None
     """Done once the peer answered our ProofRequest, or the link ended (None: none was sent)."""
+    proof_asked: bool = False
+    """The peer sent its ProofRequest (one per link)."""
     proof_fd: int = -1
-    """The memfd that answers the peer's ProofRequest, held while the link lives; -1: none yet."""
+    """The memfd that answers the peer's ProofRequest, held while the link lives; -1: none."""
     parked: deque[Message] = field(default_factory=deque)
     """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
     remote_keys: list[int] | None = None
@@ -140,9 +143,13 @@ class PeerLink:
     reads_refused: int = 0
     """The peer's read requests refused because :data:`~.block_writes.MAX_SERVED_READS` were
     being served, or for asking for more blocks than its region has rows (the first is logged)."""
-    sinking: dict[int, str] = field(default_factory=dict)
-    """The keys of the peer's chunk messages whose sink returned an awaitable not completed
-    yet (their answer waits for it), by transfer: an ``Abort`` from the peer retracts them."""
+    sinking: dict[int, tuple[str, Awaitable[Any]]] = field(default_factory=dict)
+    """The peer's chunk messages whose sink returned an awaitable not completed yet (their
+    answer waits for it): key and that awaitable, by transfer.  An ``Abort`` retracts them."""
+    arriving: dict[int, bool] = field(default_factory=dict)
+    """The peer's chunk messages whose header was handled and whose payload has not arrived,
+    by transfer: True once the peer gave it up (its ``Abort``): then it is answered as
+    cancelled when it arrives, never delivered."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""

@@ -23,6 +23,7 @@ from ..errors import (
     OmniAsyncError,
     PeerLost,
     ProtocolError,
+    TransferCancelled,
     TransferFailed,
 )
 from ..wire import (
@@ -209,6 +210,7 @@ class Messages(TransportCore):
         receiving = [frame for frame in frames if frame.nbytes]
         deliver = partial(self._deliver, link, hdr, frames, nbytes)
         if receiving:
+            link.arriving[hdr.transfer_id] = False  # (an Abort before its payload marks it)
             self._expect(link, hdr.seq, receiving, deliver)  # one message scattered over the frames
         else:
             deliver(None)
@@ -267,6 +269,8 @@ class Messages(TransportCore):
         or when the awaitable it returned completes."""
         link.inbox.received(nbytes)  # received (or failed): the sink owns the frames now
         transfer_id = hdr.transfer_id
+        if link.arriving.pop(transfer_id, False):  # its sender gave it up before it arrived
+            error = TransferCancelled("the sender gave the message up")
         if error is not None or self._links.get(link.peer.peer_id) is not link:
             self._answer(link, transfer_id, "messages", nbytes, error)  # a leaving or removed peer's: not acknowledged
             return
@@ -286,7 +290,7 @@ class Messages(TransportCore):
         if pending is not None and inspect.isawaitable(pending):
             answer = partial(self._answer, link, transfer_id, "messages", nbytes)
             sink_task = self.sink_tasks.start(pending, f"omni-message-sink-{link.peer.peer_id}")
-            link.sinking[transfer_id] = hdr.key
+            link.sinking[transfer_id] = (hdr.key, pending)
             sink_task.add_done_callback(partial(self._sink_done, link, transfer_id, answer))
         elif ring:
             self.metrics.answered("messages", nbytes, "ok", link.peer.peer_id)
@@ -297,16 +301,21 @@ class Messages(TransportCore):
             self._answer(link, transfer_id, "messages", nbytes, None)
 
     def _retract_message(self, link: PeerLink, transfer_id: int) -> None:
-        """The sender gave message ``transfer_id`` up (its ``Abort``): if the sink's awaitable
-        for it is still pending (e.g. the connector holds its acknowledgement back while its
-        buffer is full), :attr:`message_retract` is told, so the message is not delivered after
-        its sender was told it failed."""
-        key = link.sinking.get(transfer_id)
-        retract = self.message_retract
-        if key is None or retract is None:
+        """The sender gave message ``transfer_id`` up (its ``Abort``), so it is not delivered
+        after its sender was told it failed: one whose payload has not arrived is answered as
+        cancelled when it does; if the sink's awaitable for one delivered is still pending (e.g.
+        the connector holds its acknowledgement back while its buffer is full),
+        :attr:`message_retract` is told."""
+        if transfer_id in link.arriving:
+            link.arriving[transfer_id] = True
             return
+        sinking = link.sinking.get(transfer_id)
+        retract = self.message_retract
+        if sinking is None or retract is None:
+            return
+        key, pending = sinking
         try:
-            retract(link.peer.peer_id, key)
+            retract(link.peer.peer_id, key, pending)
         except Exception:  # the application's callback fails only itself
             log.exception("message retract callback failed on %r from %s", key, link.peer.peer_id)
 

@@ -119,17 +119,19 @@ class Peers(TransportCore):
 
     def _on_proof_request(self, link: PeerLink, request: ProofRequest) -> None:
         """The peer asks which process we are: hold the proof its nonce names for it, and say
-        so.  A link takes one request: a second breaks the protocol (the peer is dropped)."""
+        so (also if it could not be made: the peer then finds none, at once, rather than
+        waiting for an answer).  A link takes one request: a second breaks the protocol (the
+        peer is dropped)."""
         if self._links.get(link.peer.peer_id) is not link:
             return
-        if link.proof_fd >= 0:
+        if link.proof_asked:
             self._drop(link, ProtocolError("a second proof request"))
             return
+        link.proof_asked = True
         try:
             link.proof_fd = make_proof(request.nonce, link.peer.peer_id)
-        except OSError as exc:  # then the peer keeps its writes to us on UCX
+        except OSError as exc:  # answered all the same: the peer finds no proof and keeps to UCX
             log.warning("cannot prove this process to %s: %s", link.peer.peer_id, exc)
-            return
         link.lane.send(encode_header(ProofReady(request.nonce)), HEADER_TAG, ignore)
 
     def _on_proof_ready(self, link: PeerLink, ready: ProofReady) -> None:

@@ -29,6 +29,10 @@ from typing import Final
 
 PROOF_PREFIX: Final = "omni-proof-"
 """The start of every proof memfd's name."""
+MAX_SCANNED: Final = 1 << 16
+"""Most descriptors of a process :func:`holds_proof` looks at (a peer may name a process with a
+huge descriptor table: the scan runs on the event loop).  A proof is made right after its
+process connected; a process with more descriptors open is not offered the lane."""
 
 
 def new_nonce() -> str:
@@ -50,18 +54,20 @@ def make_proof(nonce: str, challenger: str) -> int:
 
 
 def holds_proof(pid: int, name: str) -> bool:
-    """Whether process ``pid`` holds a memfd named ``name`` open (False if its descriptors
-    cannot be read: gone, or not ours to inspect)."""
-    directory = f"/proc/{pid}/fd"
+    """Whether process ``pid`` holds a memfd named ``name`` open among its first
+    :data:`MAX_SCANNED` descriptors (False if they cannot be read: gone, or not ours to
+    inspect)."""
     target = f"/memfd:{name} (deleted)"
     try:
-        entries = os.listdir(directory)
+        with os.scandir(f"/proc/{pid}/fd") as entries:
+            for scanned, entry in enumerate(entries):
+                if scanned >= MAX_SCANNED:
+                    return False
+                try:
+                    if os.readlink(entry.path) == target:
+                        return True
+                except OSError:  # closed meanwhile
+                    continue
     except OSError:
         return False
-    for entry in entries:
-        try:
-            if os.readlink(f"{directory}/{entry}") == target:
-                return True
-        except OSError:  # closed meanwhile
-            continue
     return False

@@ -41,7 +41,9 @@ caller's: we create none and only hold a descriptor and a mapping of it while th
 Trust model: a peer that maps our region (or may ``process_vm_writev`` into us) can write
 any row of it at any time, as a process that may ptrace us could.  The lane is only offered
 to peers with our ``host_id`` that passed the handshake (authenticated with CURVE, or a
-loopback demo), and ``AgentConfig.same_host_lane = False`` turns it off.
+loopback demo), and ``AgentConfig.same_host_lane = False`` turns it off.  A peer's share is
+used only once the process it names proved it is the peer (:mod:`.pid_proof`): the proofs
+above are one per process, handed to every peer, and could be replayed by another.
 """
 
 from __future__ import annotations
