@@ -117,17 +117,25 @@ class Peers(TransportCore):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(link.proving), timeout)
 
+    def _first(self, link: PeerLink, flag: str, what: str) -> bool:
+        """Whether to take the peer's ``what``, of which a link takes one (``flag``: the link's
+        attribute saying it came): not on a removed or replaced link; a second breaks the
+        protocol (the peer is dropped)."""
+        if self._links.get(link.peer.peer_id) is not link:
+            return False
+        if getattr(link, flag):
+            self._drop(link, ProtocolError(f"a second {what}"))
+            return False
+        setattr(link, flag, True)
+        return True
+
     def _on_proof_request(self, link: PeerLink, request: ProofRequest) -> None:
         """The peer asks which process we are: hold the proof its nonce names for it, and say
         so (also if it could not be made: the peer then finds none, at once, rather than
         waiting for an answer).  A link takes one request: a second breaks the protocol (the
         peer is dropped)."""
-        if self._links.get(link.peer.peer_id) is not link:
+        if not self._first(link, "proof_asked", "proof request"):
             return
-        if link.proof_asked:
-            self._drop(link, ProtocolError("a second proof request"))
-            return
-        link.proof_asked = True
         try:
             link.proof_fd = make_proof(request.nonce, link.peer.peer_id)
         except OSError as exc:  # answered all the same: the peer finds no proof and keeps to UCX
@@ -181,12 +189,8 @@ class Peers(TransportCore):
         mapped (a peer in another mount namespace offers such in good faith), or that comes on
         a link that is no same-host one here, is logged and the link stays on UCX.  Nothing on a
         removed peer's draining lane (its rings are gone)."""
-        if self._links.get(link.peer.peer_id) is not link:
+        if not self._first(link, "ring_offered", "ring offer"):
             return
-        if link.ring_offered:
-            self._drop(link, ProtocolError("a second ring offer"))
-            return
-        link.ring_offered = True
         if link.ring_in is None:
             log.warning("ignored a ring offer from %s (not a same-host link here)", link.peer.peer_id)
             return
