@@ -229,16 +229,16 @@ class Agent(Startable):
         finally:
             if counted and conn is not None:
                 self._handshake_ended(conn.info.peer_id)
-        await self._settled(conn.info.peer_id)
-        # A peer on this host proves which process it is before its region is written directly:
-        # return once it did, so the writes that follow take the same-host lane.  A connect
-        # cancelled meanwhile leaves nothing behind, as one cancelled before: the pair it joined
-        # is left (unless another handshake's connection replaced ours).
+        # Once no crossing handshake is pending, and a peer on this host proved which process it
+        # is (so the writes that follow take the same-host lane), return.  A connect cancelled
+        # meanwhile leaves nothing behind, as one cancelled before: the pair it joined is left
+        # (unless another handshake's connection replaced ours, or the agent is closing).
         try:
+            await self._settled(conn.info.peer_id)
             await transport.same_host_settled(conn.info.peer_id, self.config.handshake_timeout)
         except asyncio.CancelledError:
             session = self._sessions.get(conn.info.peer_id)
-            if session is not None and session.phase == "joined" and session.connection is conn:
+            if session is not None and session.phase == "joined" and session.connection is conn and not self._closed:
                 self._leave(session, PeerLost("connect cancelled"), orderly=True,
                             goodbye="handshake abandoned: CancelledError")
             raise

@@ -511,7 +511,7 @@ class UcxConnector(Connector):
         self._held[stored] = self._loop.call_later(self.agent.config.transfer_timeout, self._expire, stored)
         return space
 
-    def _retract(self, peer_id: str, key: str, pending: Awaitable[Any]) -> None:
+    def _retract(self, peer_id: str, key: str, pending: asyncio.Future[Any]) -> None:
         """The sender gave up the payload it sent under ``key`` (its deadline, a cancel) while
         we held its acknowledgement (``pending``: the future :meth:`_buffer` returned for it):
         it is dropped, so it is never acknowledged, or delivered, after its sender was told it

@@ -326,10 +326,12 @@ class ProofRequest(_Msg, tag="proof?", frozen=True):
 
 
 class ProofReady(_Msg, tag="proof", frozen=True):
-    """The answer to this side's :class:`ProofRequest` of ``nonce``: the proof is held.  One
-    that answers no request of ours breaks the protocol."""
+    """The answer to this side's :class:`ProofRequest` of ``nonce``: the proof is held, at
+    descriptor ``fd`` of the answering process (-1: it could not be made).  One that answers no
+    request of ours breaks the protocol."""
 
     nonce: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+    fd: Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)] = -1
 
 
 DataHeader: TypeAlias = (

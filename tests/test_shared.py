@@ -289,13 +289,14 @@ def test_a_proof_is_named_for_its_nonce_and_asker_and_found_only_where_it_is_hel
     assert ours != relayed and ours == proof_name(nonce, "a") and len(ours) <= 249  # a memfd name's limit
     fd = make_proof(nonce, "a")
     try:
-        assert holds_proof(os.getpid(), ours)
-        assert not holds_proof(os.getpid(), relayed)
-        assert not holds_proof(os.getppid(), ours)  # another process (the test runner's parent)
-        assert not holds_proof(2**22 + 1, ours)  # no such process
+        assert holds_proof(os.getpid(), fd, ours)
+        assert not holds_proof(os.getpid(), fd, relayed)
+        assert not holds_proof(os.getpid(), 0, ours) and not holds_proof(os.getpid(), -1, ours)  # another fd, none
+        assert not holds_proof(os.getppid(), fd, ours)  # another process (the test runner's parent)
+        assert not holds_proof(2**22 + 1, fd, ours)  # no such process
     finally:
         os.close(fd)
-    assert not holds_proof(os.getpid(), ours)  # closed: no longer held
+    assert not holds_proof(os.getpid(), fd, ours)  # closed: no longer held
 
 
 @pytest.mark.parametrize("answer", ["no proof", "relayed"])
@@ -304,9 +305,9 @@ async def test_a_peer_cannot_point_our_writes_at_another_agents_region(make_agen
     (and base address) as its own.  Every check of a share passes (its proofs really are in
     ``q``), and our writes to ``p`` were copied into ``q``'s region.  Now ``p`` must first hold,
     in the process the share names, a memfd named for our nonce *and our id*: it cannot make
-    one there ("no proof": it just says ready), and relaying our nonce to ``q`` gets one named
-    for ``p`` ("relayed").  Our writes to it stay on UCX; ``q``'s rows are never touched."""
-    from omni_async.transport.pid_proof import holds_proof, proof_name
+    one there ("no proof": it points at ``q``'s region memfd), and relaying our nonce to ``q``
+    gets one named for ``p`` ("relayed": it points at that one).  Our writes to it stay on UCX;
+    ``q``'s rows are never touched."""
     from omni_async.wire import HEADER_TAG, ProofReady, ProofRequest, encode_header
     from tests.helpers.rogue import Rogue
 
@@ -324,12 +325,15 @@ async def test_a_peer_cannot_point_our_writes_at_another_agents_region(make_agen
             while not p.requests:
                 await asyncio.sleep(0.01)
         nonce = p.requests[0].nonce
+        fd = share.fd  # a descriptor of q's: its region memfd
         if answer == "relayed":
             to_q.send(encode_header(ProofRequest(nonce)), HEADER_TAG)
+            q_link = q.transport.links["p"]
             async with asyncio.timeout(5):
-                while not holds_proof(os.getpid(), proof_name(nonce, "p")):  # q made it, named for p
+                while q_link.proof_fd < 0:  # q made it, named for p
                     await asyncio.sleep(0.01)
-        p.send(encode_header(ProofReady(nonce)), HEADER_TAG)
+            fd = q_link.proof_fd
+        p.send(encode_header(ProofReady(nonce, fd)), HEADER_TAG)
         link = a.transport.links["p"]
         async with asyncio.timeout(5):
             while not link.proven:

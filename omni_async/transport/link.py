@@ -40,11 +40,12 @@ goes back to it when the last reference to them is dropped; nothing else release
 The acknowledgement (which settles the sender's transfer) is sent when the sink returns, or,
 if it returns an awaitable, when that completes: a slow sink back-pressures the sender.
 """
-MessageRetract = Callable[[str, str, Awaitable[Any]], None]
+MessageRetract = Callable[[str, str, "asyncio.Future[Any]"], None]
 """``retract(peer_id, key, pending)``: the peer gave up (deadline, cancel) the message it sent
-under ``key`` while ``pending``, the awaitable the sink returned for it, has not completed, and
-was told it failed: drop what is held of that message (not a later one under the same key),
-and complete (or fail) ``pending``, which sends the answer."""
+under ``key`` while ``pending`` has not completed, and was told it failed: drop what is held of
+that message (not a later one under the same key), and complete, fail or cancel ``pending``,
+which sends the answer.  ``pending`` runs what the sink returned for the message: that
+awaitable itself if it was a future, else its task."""
 
 
 class Sent:
@@ -118,7 +119,10 @@ class PeerLink:
     """The memfd name (:func:`~.pid_proof.proof_name`) of our :class:`~omni_async.wire.ProofRequest`
     to a peer on this host, once sent; "" if none was."""
     proven: bool = False
-    """The peer answered our ProofRequest: a process holding :attr:`proof` is the peer's."""
+    """The peer answered our ProofRequest: a process holding :attr:`proof` at :attr:`proof_at`
+    is the peer's."""
+    proof_at: int = -1
+    """The descriptor the peer said holds our proof, in its process (-1: none)."""
     proving: asyncio.Future[None] | None = None
     """Done once the peer answered our ProofRequest, or the link ended (None: none was sent)."""
     proof_asked: bool = False
@@ -143,7 +147,7 @@ class PeerLink:
     reads_refused: int = 0
     """The peer's read requests refused because :data:`~.block_writes.MAX_SERVED_READS` were
     being served, or for asking for more blocks than its region has rows (the first is logged)."""
-    sinking: dict[int, tuple[str, Awaitable[Any]]] = field(default_factory=dict)
+    sinking: dict[int, tuple[str, asyncio.Future[Any]]] = field(default_factory=dict)
     """The peer's chunk messages whose sink returned an awaitable not completed yet (their
     answer waits for it): key and that awaitable, by transfer.  An ``Abort`` retracts them."""
     arriving: dict[int, bool] = field(default_factory=dict)

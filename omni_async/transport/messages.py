@@ -290,7 +290,7 @@ class Messages(TransportCore):
         if pending is not None and inspect.isawaitable(pending):
             answer = partial(self._answer, link, transfer_id, "messages", nbytes)
             sink_task = self.sink_tasks.start(pending, f"omni-message-sink-{link.peer.peer_id}")
-            link.sinking[transfer_id] = (hdr.key, pending)
+            link.sinking[transfer_id] = (hdr.key, sink_task)
             sink_task.add_done_callback(partial(self._sink_done, link, transfer_id, answer))
         elif ring:
             self.metrics.answered("messages", nbytes, "ok", link.peer.peer_id)
@@ -306,7 +306,7 @@ class Messages(TransportCore):
         cancelled when it does; if the sink's awaitable for one delivered is still pending (e.g.
         the connector holds its acknowledgement back while its buffer is full),
         :attr:`message_retract` is told."""
-        if transfer_id in link.arriving:
+        if transfer_id in link.arriving:  # (one that came through the ring was taken before: see _follows_ring)
             link.arriving[transfer_id] = True
             return
         sinking = link.sinking.get(transfer_id)

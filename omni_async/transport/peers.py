@@ -110,12 +110,15 @@ class Peers(TransportCore):
         """Wait until a peer on this host answered our proof request (see :mod:`.pid_proof`),
         so that writes to it take the same-host lane from now on if its process proved it
         offers its own region; at most ``timeout`` seconds (then they stay on UCX until it
-        answers).  Returns at once for any other peer, or one no longer joined."""
-        link = self._links.get(peer_id)
-        if link is None or link.proving is None:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(link.proving), timeout)
+        answers).  A link that replaced the peer's meanwhile (a crossing handshake) is waited
+        for too.  Returns at once for any other peer, or one no longer joined."""
+        deadline = self._loop.time() + timeout
+        while (link := self._links.get(peer_id)) is not None and link.proving is not None:
+            left = deadline - self._loop.time()
+            if link.proving.done() or left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(link.proving), left)
 
     def _first(self, link: PeerLink, flag: str, what: str) -> bool:
         """Whether to take the peer's ``what``, of which a link takes one (``flag``: the link's
@@ -140,7 +143,7 @@ class Peers(TransportCore):
             link.proof_fd = make_proof(request.nonce, link.peer.peer_id)
         except OSError as exc:  # answered all the same: the peer finds no proof and keeps to UCX
             log.warning("cannot prove this process to %s: %s", link.peer.peer_id, exc)
-        link.lane.send(encode_header(ProofReady(request.nonce)), HEADER_TAG, ignore)
+        link.lane.send(encode_header(ProofReady(request.nonce, link.proof_fd)), HEADER_TAG, ignore)
 
     def _on_proof_ready(self, link: PeerLink, ready: ProofReady) -> None:
         """The peer holds the proof we asked for: write its region directly, and send through
@@ -153,8 +156,9 @@ class Peers(TransportCore):
             self._drop(link, ProtocolError("a proof that answers no request of ours"))
             return
         link.proven = True
+        link.proof_at = ready.fd
         pids = share_pids(link.peer)
-        if pids and all(holds_proof(pid, link.proof) for pid in pids):
+        if pids and all(holds_proof(pid, ready.fd, link.proof) for pid in pids):
             link.direct = open_writers(link.peer, self.host_id)
         elif pids:
             log.warning("peer %s offered the region of process %s, which is not the peer: its writes go through UCX",
@@ -204,7 +208,7 @@ class Peers(TransportCore):
         mapped (else the link stays on UCX, logged).  Not once our own ring is gone (it broke)."""
         if link.ring_in is None:
             return
-        if not holds_proof(offer.pid, link.proof):
+        if not holds_proof(offer.pid, link.proof_at, link.proof):
             log.warning("peer %s offered the ring of process %d, which is not the peer: headers go through UCX",
                         link.peer.peer_id, offer.pid)
             return

@@ -10,8 +10,9 @@ So before the same-host lane is used, each side sends the other a
 :class:`~omni_async.wire.ProofRequest` with a random nonce over the lane; the answering side
 creates, and holds open for the link's life, an empty memfd named by :func:`proof_name` of
 that nonce and of the challenger's peer id *as the answering side knows it*, then answers
-:class:`~omni_async.wire.ProofReady`.  The challenger then uses a share or ring of process
-``pid`` only if ``/proc/<pid>/fd`` holds that memfd (:func:`holds_proof`).  A peer cannot make
+:class:`~omni_async.wire.ProofReady` naming its descriptor.  The challenger then uses a share
+or ring of process ``pid`` only if that descriptor of ``pid`` is that memfd
+(:func:`holds_proof`: one ``readlink`` of ``/proc/<pid>/fd/<fd>``).  A peer cannot make
 another process hold it: a process names the proofs it makes with its challenger's id, so a
 peer that relays our nonce to a third agent gets a proof named with its own id, not ours
 (unless it joins that agent under our id: peer ids are claims, which CURVE limits to the
@@ -29,12 +30,6 @@ from typing import Final
 
 PROOF_PREFIX: Final = "omni-proof-"
 """The start of every proof memfd's name."""
-MAX_SCANNED: Final = 1 << 16
-"""Most descriptors of a process :func:`holds_proof` looks at (a peer may name a process with a
-huge descriptor table: the scan runs on the event loop).  A proof is made right after its
-process connected; a process with more descriptors open is not offered the lane."""
-
-
 def new_nonce() -> str:
     """A fresh challenge: 128 random bits as 32 hex digits."""
     return secrets.token_hex(16)
@@ -53,21 +48,13 @@ def make_proof(nonce: str, challenger: str) -> int:
     return os.memfd_create(proof_name(nonce, challenger), os.MFD_CLOEXEC)
 
 
-def holds_proof(pid: int, name: str) -> bool:
-    """Whether process ``pid`` holds a memfd named ``name`` open among its first
-    :data:`MAX_SCANNED` descriptors (False if they cannot be read: gone, or not ours to
-    inspect)."""
-    target = f"/memfd:{name} (deleted)"
+def holds_proof(pid: int, fd: int, name: str) -> bool:
+    """Whether descriptor ``fd`` of process ``pid`` is a memfd named ``name`` (False if it is
+    not, or cannot be read: gone, closed, or not ours to inspect).  One ``readlink``: the
+    prover says which descriptor holds its proof (``ProofReady.fd``)."""
+    if fd < 0:
+        return False
     try:
-        with os.scandir(f"/proc/{pid}/fd") as entries:
-            for scanned, entry in enumerate(entries):
-                if scanned >= MAX_SCANNED:
-                    return False
-                try:
-                    if os.readlink(entry.path) == target:
-                        return True
-                except OSError:  # closed meanwhile
-                    continue
+        return os.readlink(f"/proc/{pid}/fd/{fd}") == f"/memfd:{name} (deleted)"
     except OSError:
         return False
-    return False

@@ -76,7 +76,7 @@ class Rogue:
                 self.requests.append(header)
                 if self.prove and self.proof_fd < 0:
                     self.proof_fd = make_proof(header.nonce, self.agent_id)
-                    self.send(encode_header(ProofReady(header.nonce)), HEADER_TAG)
+                    self.send(encode_header(ProofReady(header.nonce, self.proof_fd)), HEADER_TAG)
             elif self.on_header is not None:
                 self.on_header(header)
 
