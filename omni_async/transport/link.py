@@ -149,7 +149,8 @@ class PeerLink:
     being served, or for asking for more blocks than its region has rows (the first is logged)."""
     sinking: dict[int, tuple[str, asyncio.Future[Any]]] = field(default_factory=dict)
     """The peer's chunk messages whose sink returned an awaitable not completed yet (their
-    answer waits for it): key and that awaitable, by transfer.  An ``Abort`` retracts them."""
+    answer waits for it): key and the future running that awaitable, by transfer.  An
+    ``Abort`` retracts them."""
     arriving: dict[int, bool] = field(default_factory=dict)
     """The peer's chunk messages whose header was handled and whose payload has not arrived,
     by transfer: True once the peer gave it up (its ``Abort``): then it is answered as
