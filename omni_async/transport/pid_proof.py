@@ -28,15 +28,23 @@ import os
 import secrets
 from typing import Final
 
-PROOF_PREFIX: Final = "omni-proof-"
-"""The start of every proof memfd's name."""
+from ..memfd import NAME_PREFIX, link_name
+from .shared import Refused, check_link
+
+PROOF_PREFIX: Final = "proof-"
+"""The start of every proof's token (its memfd is named ``omni-proof-...``, see
+:data:`~omni_async.memfd.NAME_PREFIX`)."""
+
+
 def new_nonce() -> str:
     """A fresh challenge: 128 random bits as 32 hex digits."""
     return secrets.token_hex(16)
 
 
 def proof_name(nonce: str, challenger: str) -> str:
-    """The memfd name that answers ``nonce`` from the peer ``challenger`` (its peer id)."""
+    """The token of the memfd that answers ``nonce`` from the peer ``challenger`` (its peer
+    id); the memfd is named as every segment of ours is, :data:`~omni_async.memfd.NAME_PREFIX`
+    then the token."""
     digest = hashlib.sha256(f"{nonce}\0{challenger}".encode()).hexdigest()[:32]
     return PROOF_PREFIX + digest
 
@@ -45,16 +53,17 @@ def make_proof(nonce: str, challenger: str) -> int:
     """Create the proof for ``challenger``'s ``nonce``: an empty memfd of that name, whose
     descriptor the caller holds (and closes) for as long as the proof must stand.  Raises
     :class:`OSError` if it cannot be made."""
-    return os.memfd_create(proof_name(nonce, challenger), os.MFD_CLOEXEC)
+    return os.memfd_create(NAME_PREFIX + proof_name(nonce, challenger), os.MFD_CLOEXEC)
 
 
 def holds_proof(pid: int, fd: int, name: str) -> bool:
-    """Whether descriptor ``fd`` of process ``pid`` is a memfd named ``name`` (False if it is
-    not, or cannot be read: gone, closed, or not ours to inspect).  One ``readlink``: the
+    """Whether descriptor ``fd`` of process ``pid`` is the memfd of proof ``name`` (False if it
+    is not, or cannot be read: gone, closed, or not ours to inspect).  One ``readlink``: the
     prover says which descriptor holds its proof (``ProofReady.fd``)."""
     if fd < 0:
         return False
     try:
-        return os.readlink(f"/proc/{pid}/fd/{fd}") == f"/memfd:{name} (deleted)"
-    except OSError:
+        check_link(f"/proc/{pid}/fd/{fd}", link_name(name))
+    except Refused:
         return False
+    return True

@@ -155,7 +155,7 @@ class MappedFile(MappedRegion):
         end = share.offset + num_blocks * block_len
         if share.proof_fd < 0 or not share.token:
             raise Refused("the peer offered a file without proof that it is the peer's")
-        _check_link(f"/proc/{share.pid}/fd/{share.proof_fd}", link_name(share.token))
+        check_link(f"/proc/{share.pid}/fd/{share.proof_fd}", link_name(share.token))
         path = f"/proc/{share.pid}/fd/{share.fd}"
         try:
             fd = open_sealed_file(path, share.inode, end)
@@ -197,13 +197,13 @@ def map_memfd(pid: int, fd: int, token: str, size: int) -> mmap.mmap:
     No descriptor stays open."""
     expected = link_name(token)
     path = f"/proc/{pid}/fd/{fd}"
-    _check_link(path, expected)  # before opening: never open something else (a device, a fifo)
+    check_link(path, expected)  # before opening: never open something else (a device, a fifo)
     try:
         opened = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
         raise Refused(f"cannot open {path}: {exc.strerror}") from None
     try:
-        _check_link(f"/proc/self/fd/{opened}", expected)  # the fd number was not reused meanwhile
+        check_link(f"/proc/self/fd/{opened}", expected)  # the fd number was not reused meanwhile
         info = os.fstat(opened)
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             raise Refused(f"{path} holds {info.st_size} bytes, the peer announced {size}")
@@ -234,7 +234,9 @@ def open_pipe(pid: int, fd: int) -> int:
     return opened
 
 
-def _check_link(path: str, expected: str) -> None:
+def check_link(path: str, expected: str) -> None:
+    """Raise :class:`Refused` unless the ``/proc`` link at ``path`` reads ``expected`` (a
+    memfd's :func:`~omni_async.memfd.link_name`), or if it cannot be read."""
     try:
         target = os.readlink(path)
     except OSError as exc:
