@@ -118,13 +118,11 @@ class PeerLink:
     proof: str = ""
     """The memfd name (:func:`~.pid_proof.proof_name`) of our :class:`~omni_async.wire.ProofRequest`
     to a peer on this host, once sent; "" if none was."""
-    proven: bool = False
-    """The peer answered our ProofRequest: a process holding :attr:`proof` at :attr:`proof_at`
-    is the peer's."""
     proof_at: int = -1
     """The descriptor the peer said holds our proof, in its process (-1: none)."""
     proving: asyncio.Future[None] | None = None
-    """Done once the peer answered our ProofRequest, or the link ended (None: none was sent)."""
+    """Done once the peer answered our ProofRequest (:attr:`proven`), or the link ended (None:
+    none was sent)."""
     proof_asked: bool = False
     """The peer sent its ProofRequest (one per link)."""
     proof_fd: int = -1
@@ -161,6 +159,12 @@ class PeerLink:
 
     receive_bytes: InitVar[int] = 0
     """The receiver's budget for this peer's chunk buffers (``receive_budget``)."""
+
+    @property
+    def proven(self) -> bool:
+        """The peer answered our ProofRequest (on a live link): a process holding :attr:`proof`
+        at :attr:`proof_at` is the peer's."""
+        return self.proving is not None and self.proving.done()
 
     def __post_init__(self, receive_bytes: int) -> None:
         self.outbox = Outbox(Window(self.peer.max_message_bytes))

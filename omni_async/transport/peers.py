@@ -155,8 +155,8 @@ class Peers(TransportCore):
         if not link.proof or link.proven or proof_name(ready.nonce, self.peer_id) != link.proof:
             self._drop(link, ProtocolError("a proof that answers no request of ours"))
             return
-        link.proven = True
         link.proof_at = ready.fd
+        _settle_proving(link)  # (proven from now on)
         pids = share_pids(link.peer)
         if pids and all(holds_proof(pid, ready.fd, link.proof) for pid in pids):
             link.direct = open_writers(link.peer, self.host_id)
@@ -166,7 +166,6 @@ class Peers(TransportCore):
         offer, link.ring_offer = link.ring_offer, None
         if offer is not None:
             self._map_ring(link, offer)
-        _settle_proving(link)
 
     def _offer_ring(self, link: PeerLink) -> None:
         """Offer a peer on this host a ring for what it sends us (see :mod:`.samehost`)."""
