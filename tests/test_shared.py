@@ -259,6 +259,56 @@ async def test_blocks_are_placed_in_one_copy_and_acknowledged(make_agent):
     assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
 
 
+@pytest.mark.parametrize(
+    ("local", "remote", "error"),
+    [
+        (2, 3, None),
+        (np.int64(2), np.int64(3), None),  # not a Python int: the general path takes it
+        (True, 3, "not an int"),
+        (2, 3.0, "not an int"),
+        (-1, 3, "out of range"),
+        (NUM_BLOCKS, 3, "out of range"),
+        (2, NUM_BLOCKS, "out of range"),
+    ],
+)
+async def test_a_one_block_write_is_checked_and_placed_as_any_other(make_agent, local, remote, error):
+    """One block to a peer on this host takes a short path (``_place_row``): what it accepts
+    lands in one copy and is acknowledged; what it declines goes the general way, which
+    places numpy indices and refuses bad ones before anything moves."""
+    a, b = await pair(make_agent)
+    a.region.array[:] = np.random.default_rng(5).integers(0, 256, a.region.array.shape, dtype=np.uint8)
+    if error is not None:
+        with pytest.raises(InvalidBlocks, match=error):
+            a.write_blocks("b", [local], [remote])
+        assert not a.transport.in_flight() and not b.region.array.any()
+        return
+    write = a.write_blocks("b", [local], [remote])
+    assert write.nbytes == 4096
+    await asyncio.wait_for(write, 5)
+    assert np.array_equal(b.region.array[3], a.region.array[2]) and not b.region.array[:3].any()
+    assert b.stats()["received.blocks.ok"] == 1 and a.stats()["blocks.ok"] == 1
+
+
+async def test_a_one_block_write_while_requests_wait_for_the_window_lands(make_agent):
+    """While chunk messages wait for room in the receiver's budget (the sender's window), a
+    one-block write queues behind them as every write does (it takes no short path), and lands."""
+    from omni_async.transport.limits import receive_budget
+
+    a = await make_agent(NUM_BLOCKS, 4096, peer_id="a")
+    b = await make_agent(NUM_BLOCKS, 4096, peer_id="b", max_message_bytes=1 << 20)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    order: list[str] = []
+    b.set_message_sink(lambda peer, key, meta, frames: order.append(key))
+    count = 2 * receive_budget(1 << 20) // (1 << 20)
+    frame = np.ones(1 << 20, np.uint8)
+    messages = [a.send_message("b", f"k{i}", b"", [frame]) for i in range(count)]
+    assert not a.transport.links["b"].outbox.idle  # some wait for room
+    a.region.array[7] = 9
+    write = a.write_blocks("b", [7], [8])
+    await asyncio.wait_for(asyncio.gather(write, *messages), 30)
+    assert (b.region.array[8] == 9).all() and len(order) == count
+
+
 async def test_a_peer_that_cannot_make_its_proof_answers_at_once_and_stays_on_ucx(make_agent, monkeypatch):
     """A peer that cannot make its proof memfd (EMFILE, a seccomp filter) still answers: the
     asker finds no proof and keeps to UCX at once (connect waited the whole handshake timeout

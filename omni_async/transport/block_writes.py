@@ -85,12 +85,47 @@ class BlockWrites(TransportCore):
         """
         self._check_open()
         link = self._link(peer_id)
+        if notice is None and len(local_idxs) == 1 and len(remote_idxs) == 1:
+            transfer = self._place_row(link, local_idxs[0], remote_idxs[0])
+            if transfer is not None:
+                return transfer
         if notice is not None:
             notice = check_notice(notice, link.peer.max_notice_bytes)
         runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
         if notice is not None:
             check_notice_runs(runs, len(local_idxs), link.peer.max_write_blocks)
         return self._write_runs(link, runs, len(local_idxs), notice)
+
+    def _place_row(self, link: PeerLink, local: object, remote: object) -> Transfer | None:
+        """The common small write, one block (``local`` -> ``remote``, as given) to a peer on this
+        host: copied straight into its row, then told with a ``placed`` header, as
+        :meth:`_write_runs` does it, without the planning and the request machinery it needs
+        for every other write (one Python step in place of a dozen: row a).  None if the write
+        is not that (an index that is not an in-range ``int``, no same-host writer, a block
+        too large to copy unannounced, requests waiting for the window): the caller takes the
+        general path, which also raises what a bad index deserves."""
+        direct = link.direct
+        if (
+            direct is None
+            or type(local) is not int
+            or type(remote) is not int
+            or not 0 <= local < self.region.num_blocks
+            or not 0 <= remote < link.peer.num_blocks
+            or remote >= direct.num_blocks
+            or self.regions.block_bytes >= ANNOUNCE_BYTES
+            or not link.outbox.idle
+        ):
+            return None
+        transfer = self._new_transfer(link, self.regions.block_bytes, "blocks")
+        transfer_id = transfer.id
+        link.outbox.start(transfer_id)
+        runs = [(local, remote, 1)]
+        if self._copy(link, transfer_id, runs):
+            header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], True, True)
+            self._send_header(link, header, partial(self._sent, link, transfer_id))
+        else:
+            carry_out(link.outbox.withdraw(transfer_id))
+        return transfer
 
     def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:
         """:meth:`write_blocks` of a plan made already: ``runs`` from
@@ -106,6 +141,10 @@ class BlockWrites(TransportCore):
             raise InvalidBlocks(
                 f"planned for a peer of {remote_blocks} blocks; peer {peer_id!r} now has {link.peer.num_blocks}"
             )
+        if blocks == 1 and len(runs) == 1:
+            transfer = self._place_row(link, runs[0][0], runs[0][1])
+            if transfer is not None:
+                return transfer
         return self._write_runs(link, runs, blocks, None)
 
     def _write_runs(self, link: PeerLink, runs: list[Run], blocks: int, notice: bytes | None) -> Transfer:

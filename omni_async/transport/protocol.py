@@ -211,6 +211,18 @@ class Outbox(Generic[T]):
         self._queue.extend((transfer_id, messages, nbytes, post) for messages, nbytes, post in requests)
         return self._pump()
 
+    @property
+    def idle(self) -> bool:
+        """No request waits for window room (one that needs none may go at once: :meth:`start`)."""
+        return not self._queue
+
+    def start(self, transfer_id: int) -> None:
+        """A new transfer of one request that takes no window share (a placed write: no
+        payload message, no chunk bytes), posted now: as :meth:`submit` of it, on an
+        :attr:`idle` outbox."""
+        out = self._out[transfer_id] = _Out(1, False)
+        out.posted = 1
+
     def answered(self, transfer_id: int, code: str, reason: str) -> tuple[bool, tuple[str, str] | None, list[T]]:
         """The receiver answered one request of ``transfer_id`` (``code`` empty: done).
 
