@@ -81,9 +81,13 @@ async def test_a_block_index_moves_the_block_in_every_region(make_set_agent, lan
     write = a.write_blocks("b", local, remote, notice=b"layers")
     assert write.nbytes == len(local) * sum(lens)
     await asyncio.wait_for(write, 5)
-    untouched = sorted(set(range(64)) - set(remote))
+    one = a.write_blocks("b", [9], [20])  # one block (same host: its short path) moves every region's row too
+    assert one.nbytes == sum(lens)
+    await asyncio.wait_for(one, 5)
+    written, read = [*remote, 20], [*local, 9]
+    untouched = sorted(set(range(64)) - set(written))
     for src, dst in zip(a.regions.arrays, b.regions.arrays, strict=True):
-        assert np.array_equal(dst[remote], src[local])
+        assert np.array_equal(dst[written], src[read])
         assert not dst[untouched].any()
     notice = await asyncio.wait_for(anext(b.notices()), 5)
     assert notice.remote_idxs == tuple(remote) and notice.failed is None

@@ -485,11 +485,13 @@ async def test_writes_land_in_the_other_process_with_one_copy(make_agent, spawn_
 
 
 @pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
+@pytest.mark.parametrize("blocks", [NUM_BLOCKS, 1], ids=["all-blocks", "one-block"])
 @pytest.mark.parametrize("kind", list(KINDS))
-async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path, kind):
+async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_agent, spawn_peer, tmp_path, kind, blocks):
     """The kill lands while this process copies into the receiver's rows: this process lives,
     every awaiter settles (failures are PeerLost) in time, nothing is left in /dev/shm, and
-    the receiver's memory is unmapped once the peer is dropped."""
+    the receiver's memory is unmapped once the peer is dropped.  ``one-block``: writes of one
+    block each (their short path, ``_place_row``), thousands in flight at the kill."""
     before = dev_shm()
     peer = await spawn_peer("serve", str(tmp_path / "region") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
     agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
@@ -498,7 +500,7 @@ async def test_receiver_killed_mid_write_fails_awaiters_and_leaks_nothing(make_a
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
 
-    transfers, killed_at = await writes_through_a_kill(agent, "rx", peer.proc.kill, NUM_BLOCKS)
+    transfers, killed_at = await writes_through_a_kill(agent, "rx", peer.proc.kill, blocks)
     await assert_lost_in_time(agent, transfers, killed_at)
     await asyncio.wait_for(peer.proc.wait(), 10)
     if kind == "memfd":
