@@ -22,7 +22,7 @@ from .errors import ProtocolError
 
 T = TypeVar("T")
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 
 # -- limits ---------------------------------------------------------------------------------
 MAX_CONTROL_BYTES: Final = 64 * 1024
@@ -195,6 +195,14 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     ring, so that the receiver knows of it even if the sender dies during the copy); a
     :class:`Commit` finishes it.  A large write without a notice is announced too (``intent``),
     so that the receiver is awake for its commit rather than woken after the copy.
+
+    ``tail``: a placed request without a notice, not an intent, whose sender takes the
+    receiver's consumption of its ring record as the acknowledgement (the ring's tail passing
+    it, once every record before it was handled): taken from the ring and valid, it is
+    answered by no :class:`Ack` (unless the receiver cannot wake the sender through the
+    sender's own ring: then as any other); taken from the ring and invalid, it breaks the
+    protocol (the sender checked it against the receiver's layout).  Over the lane it is
+    answered as any other.
     """
 
     transfer_id: NonNeg
@@ -206,6 +214,7 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     part: NonNeg = 0
     parts: Count = 1
     intent: bool = False
+    tail: bool = False
 
     @property
     def announced(self) -> bool:

@@ -219,7 +219,7 @@ async def test_intents_wait_behind_noticed_headers_sent_over_ucx(make_agent):
     ring = link.ring_out
     assert ring is not None and link.direct is not None
     put = ring.send
-    ring.send = lambda kind, parts: False  # type: ignore[method-assign]  # fault injection: "full"
+    ring.send = lambda kind, parts, answered=None: False  # type: ignore[method-assign]  # fault injection: "full"
     writes = [a.write_blocks("b", [i], [63 - i], notice=b"%d" % i) for i in range(20)]
     ring.send = put  # type: ignore[method-assign]
     writes += [a.write_blocks("b", [i], [63 - i], notice=b"%d" % i) for i in range(20, 40)]

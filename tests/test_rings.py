@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_async.errors import PeerLost, TransferFailed
+from omni_async.errors import PeerLost, TransferCancelled, TransferFailed
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
 from omni_async.transport.turns import SpinGate
@@ -124,6 +124,22 @@ def test_a_consumers_garbage_tail_never_makes_the_producer_overwrite_blindly(tai
     assert tail == 0 or not accepted or 0 <= producer.head - tail <= CAPACITY
 
 
+@given(st.integers(0, 2**64 - 1))
+def test_a_consumers_tail_is_checked_before_its_consumption_answers_anything(tail):
+    """The producer reads the consumer's tail as an answer (``consumed``, ``passed``): a tail
+    outside ``[head - capacity, head]`` is a RingError, never a count of records taken."""
+    buffer, producer, _ = ring()
+    assert producer.put(1, [b"x" * 10])
+    head = producer.head
+    struct.pack_into("<Q", buffer, 64, tail)
+    assert producer.passed(head) == (tail >= head)
+    if 0 <= head - tail <= CAPACITY:
+        assert producer.consumed() == tail
+    else:
+        with pytest.raises(RingError, match="tail"):
+            producer.consumed()
+
+
 def test_wrap_marker_and_framing_errors_are_typed():
     buffer, producer, consumer = ring()
     struct.pack_into("<II", buffer, HEADER_BYTES, WRAP, 0)
@@ -204,6 +220,71 @@ async def test_headers_acks_and_messages_go_through_the_rings(make_agent):
     assert tags_a == [] and tags_b == []  # neither the header, nor the acks went over UCX
     assert b.transport.links["a"].ring_in.wakeups > 0
     assert b.transport.links["a"].ring_in.linger == 0  # a peer in this process cannot write while we poll
+
+
+async def test_a_one_block_write_is_answered_by_the_receivers_consumption_not_by_an_ack(make_agent):
+    """A one-block same-host write goes as a ``tail`` write request: the receiver answers it
+    by consuming its ring record (and waking the sender, asleep here: a peer in this process
+    is never spun for), with no Ack record; the write settles only then."""
+    a, b = await pair(make_agent)
+    answers = b.transport.links["a"].ring_out.producer  # where b's acknowledgements would go
+    await asyncio.wait_for(a.write_blocks("b", [1], [1]), 5)
+    before, wakeups = answers.head, a.transport.links["b"].ring_in.wakeups
+    a.region.array[3] = 7
+    write = a.write_blocks("b", [3], [4])
+    assert a.transport.links["b"].ring_out.awaiting  # awaiting b's consumption
+    await asyncio.wait_for(write, 5)
+    assert (b.region.array[4] == 7).all() and b.stats()["received.blocks.ok"] == 2
+    assert answers.head == before  # no acknowledgement record
+    assert a.transport.links["b"].ring_in.wakeups > wakeups  # b woke a through a's ring
+    assert not a.transport.links["b"].ring_out.awaiting
+
+
+async def test_a_receiver_that_cannot_wake_the_sender_through_a_ring_acknowledges_as_before(make_agent):
+    """b lost its ring to a (it broke): a's one-block write, answered by consumption, is
+    acknowledged over the lane instead, and settles (once: the consumption comes too)."""
+    a, b = await pair(make_agent)
+    link = b.transport.links["a"]
+    b.transport._drop_ring_out(link)  # as when its wake-up of a failed
+    tags = count_header_sends(link.lane)
+    for i in range(3):
+        a.region.array[i] = i + 1
+        await asyncio.wait_for(a.write_blocks("b", [i], [i + 8]), 5)
+        assert (b.region.array[i + 8] == i + 1).all()
+    assert len(tags) == 3 and a.stats()["blocks.ok"] == 3 and "b" in a.peers
+
+
+async def test_an_invalid_write_answered_by_consumption_drops_its_sender(make_agent):
+    """A ``tail`` write request whose runs leave the receiver's region breaks the protocol
+    (its sender checked it against our layout): the receiver drops the peer, writes nothing,
+    and keeps serving others."""
+    from omni_async.wire import WriteRequest
+
+    a, b = await pair(make_agent)
+    ring = a.transport.links["b"].ring_out
+    assert ring.send(samehost.KIND_HEADER, [encode_record(WriteRequest(999, 0, [(15, 2)], placed=True, tail=True))])
+    async with asyncio.timeout(5):
+        while "a" in b.peers:
+            await asyncio.sleep(0.01)
+    assert not b.region.array.any()
+    c = await make_agent(16, 4096, peer_id="c")
+    await asyncio.wait_for(c.connect(b.control_address), 10)
+    c.region.array[2] = 5
+    await asyncio.wait_for(c.write_blocks("b", [2], [3]), 5)
+    assert (b.region.array[3] == 5).all()
+
+
+async def test_a_write_cancelled_before_its_consumption_settles_once(make_agent):
+    """Cancelled before the receiver consumed its record: cancelled, and the consumption
+    that comes after answers nothing; the next write settles as usual."""
+    a, b = await pair(make_agent)
+    write = a.write_blocks("b", [3], [4])
+    write.cancel()
+    with pytest.raises(TransferCancelled):
+        await asyncio.wait_for(write, 5)
+    await asyncio.wait_for(a.write_blocks("b", [5], [6]), 5)
+    assert not a.transport.links["b"].ring_out.awaiting and a.transport.in_flight() == []
+    assert a.stats()["blocks.ok"] == 1 and "b" in a.peers
 
 
 async def test_acks_of_one_ring_batch_travel_together(make_agent):
@@ -352,7 +433,9 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
 WRITE_CALL_BUDGET = 120
 """Python calls of omni_async per same-host 64 KiB write and its acknowledgement, both sides
 (issue 9, row a: 143 before the ring and transport hot paths were trimmed, 115 after; 124
-before one block took a short path, ``BlockWrites._place_row``, 117 after)."""
+before one block took a short path, ``BlockWrites._place_row``, 117 after, 118 once its
+acknowledgement was the receiver's consumption of the record: in one process the sender never
+spins, so it is woken either way)."""
 
 
 async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(make_agent):
@@ -456,8 +539,8 @@ async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(
     records: list[object] = []
     put = ring.send
     rows = b.region.array
-    ring.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
-        records.append((decode_record(parts[0]), rows[40:44].copy())), put(kind, parts))[1]
+    ring.send = lambda kind, parts, answered=None: (  # type: ignore[method-assign]  # a spy around the real ring
+        records.append((decode_record(parts[0]), rows[40:44].copy())), put(kind, parts, answered))[1]
     large = ANNOUNCE_BYTES // a.region.block_len
     local, remote = list(range(large)), [40 + i for i in range(large)]
     await asyncio.wait_for(a.write_blocks("b", local, remote), 5)
@@ -470,7 +553,7 @@ async def test_a_large_write_is_announced_before_its_copy_and_a_small_one_after(
     records.clear()
     await asyncio.wait_for(a.write_blocks("b", [1], [2]), 5)
     (small, _rows), = records
-    assert isinstance(small, WriteRequest) and small.placed and not small.announced
+    assert isinstance(small, WriteRequest) and small.placed and not small.announced and small.tail
     assert b.transport.links["a"].intents == {}
 
 
@@ -496,8 +579,8 @@ async def test_a_split_announced_write_numbers_its_intents_and_commits_by_part(m
     a.region.array[:] = np.random.default_rng(4).integers(0, 256, a.region.array.shape, dtype=np.uint8)
     records: list[object] = []
     put = link.ring_out.send
-    link.ring_out.send = lambda kind, parts: (  # type: ignore[method-assign]  # a spy around the real ring
-        records.append(decode_record(parts[0])), put(kind, parts))[1]
+    link.ring_out.send = lambda kind, parts, answered=None: (  # type: ignore[method-assign]  # a spy around the real ring
+        records.append(decode_record(parts[0])), put(kind, parts, answered))[1]
     rows = list(range(48))  # three requests of 16 blocks (1 MiB each)
     await asyncio.wait_for(a.write_blocks("b", rows, rows[::-1]), 5)
     intents = [r for r in records if isinstance(r, WriteRequest)]

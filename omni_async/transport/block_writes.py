@@ -32,6 +32,7 @@ from ..wire import (
     data_tag,
     encode_header,
     encode_record,
+    with_length,
 )
 from .core import TransportCore, carry_out
 from .iov import iov_of_runs
@@ -120,11 +121,26 @@ class BlockWrites(TransportCore):
         transfer_id = transfer.id
         link.outbox.start(transfer_id)
         runs = [(local, remote, 1)]
-        if self._copy(link, transfer_id, runs):
-            header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], True, True)
-            self._send_header(link, header, partial(self._sent, link, transfer_id))
-        else:
+        if not self._copy(link, transfer_id, runs):
             carry_out(link.outbox.withdraw(transfer_id))
+            return transfer
+        # Through the peer's ring, its consumption of the record answers it (``tail``): no
+        # acknowledgement record to make, send, take and decode.  That needs our own ring,
+        # where the peer wakes us (and :meth:`_take_tail_acks` is watched).
+        tail = link.ring_in is not None and link.ring_out is not None
+        header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], True, True, tail=tail)
+        if not tail:
+            self._send_header(link, header, partial(self._sent, link, transfer_id))
+            return transfer
+        body = encode_record(header)
+        try:
+            in_ring = self._ring_put(link, body, tail_of=transfer_id)
+        except RingError as exc:
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
+            self._drop(link, exc)
+            return transfer
+        if not in_ring:  # no room (or the ring broke): over the lane, acknowledged as any other
+            link.lane.send(with_length(body), HEADER_TAG, partial(self._sent, link, transfer_id))
         return transfer
 
     def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:

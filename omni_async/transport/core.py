@@ -166,21 +166,21 @@ class TransportCore(ABC):
             return
         link.lane.send(with_length(body), HEADER_TAG, done)
 
-    def _ring_put(self, link: PeerLink, data: bytes) -> bool:
+    def _ring_put(self, link: PeerLink, data: bytes, tail_of: int | None = None) -> bool:
         """Put one header (:func:`~omni_async.wire.encode_record`) into the peer's ring, where
         the peer sees it on return; False if there is no ring, no room, or it broke (send it
-        another way).  Raises
+        another way).  ``tail_of``: the transfer the peer's consumption of this record answers
+        (its ``tail`` write request: see :meth:`.RingReceiver.answers_from`).  Raises
         :class:`RingError` if the peer corrupted the ring."""
         ring = link.ring_out
         if ring is None:
             return False
-        if ring.send(KIND_HEADER, (data,)):
-            if link.sent and link.ring_in is not None:
-                link.ring_in.kick()  # spin for the answer rather than sleep
-            return True
+        sent = ring.send(KIND_HEADER, (data,), tail_of)
+        if sent and link.sent and link.ring_in is not None:
+            link.ring_in.kick()  # spin for the answer rather than sleep
         if ring.broken is not None:
-            self._drop_ring_out(link)
-        return False
+            self._ring_out_broke(link, ring.broken)
+        return sent
 
     @property
     def ucx_config(self) -> dict[str, str]:
@@ -226,10 +226,25 @@ class TransportCore(ABC):
             direct.close()
 
     @staticmethod
-    def _drop_ring_out(link: PeerLink) -> None:
+    def _drop_ring_out(link: PeerLink) -> list[int]:
+        """Stop writing into the peer's ring and close our side of it; returns the transfers
+        that awaited its consumption (see :meth:`.RingReceiver.answers_from`): it never comes
+        now (the caller settles them, or the peer's removal does)."""
         ring, link.ring_out = link.ring_out, None
-        if ring is not None:
-            ring.close()
+        if ring is None:
+            return []
+        if link.ring_in is not None:
+            link.ring_in.stop_answers()
+        awaiting = [transfer_id for _end, transfer_id in ring.awaiting]
+        ring.close()
+        return awaiting
+
+    def _ring_out_broke(self, link: PeerLink, broken: OSError) -> None:
+        """The peer closed its ring (a wake-up failed): stop using it; what awaited its
+        consumption fails."""
+        lost = PeerLost(f"peer {link.peer.peer_id!r} closed its ring: {broken}")
+        for transfer_id in self._drop_ring_out(link):
+            self._settle(link, transfer_id, lost)
 
     def _drop_rings(self, link: PeerLink) -> None:
         self._drop_ring_out(link)
@@ -487,7 +502,14 @@ class TransportCore(ABC):
 
     def _flush_acks(self, link: PeerLink) -> None:
         """Send the acknowledgements held in :attr:`PeerLink.acks` (end of a ring batch, or
-        ``ACK_BATCH`` of them): one :class:`Ack`, or one :class:`Acks` for several."""
+        ``ACK_BATCH`` of them): one :class:`Ack`, or one :class:`Acks` for several.  At the end
+        of a batch, the peer's writes its consumption answered (:attr:`PeerLink.tail_acked`)
+        were consumed: the peer is woken if it sleeps, or, where it cannot be woken through
+        its ring (we have none, or it broke), they are acknowledged with the others."""
+        if link.tail_acked:
+            ids, link.tail_acked = link.tail_acked, []
+            if not _woke_for_tail(link):
+                link.acks.extend(ids)
         if not link.acks:
             return
         ids, link.acks = link.acks, []
@@ -532,6 +554,18 @@ class TransportCore(ABC):
         """A chunk message whose header came with its frames (from ``offset`` of ``record`` on):
         a ring record (``batched``), its frames in it or (``pooled``) in our shared pool, or one
         lane message (:mod:`.messages`)."""
+
+
+def _woke_for_tail(link: PeerLink) -> bool:
+    """Wake the peer if it sleeps, after a batch that consumed writes it awaits (see
+    :attr:`PeerLink.tail_acked`); False if it cannot be woken through its ring (none, or
+    broken: acknowledge them instead)."""
+    ring = link.ring_out
+    if ring is None or ring.broken is not None:
+        return False
+    if ring.producer.wants_wake():
+        ring.wake()
+    return ring.broken is None
 
 
 def _follows_ring(header: DataHeader) -> bool:

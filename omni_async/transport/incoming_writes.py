@@ -80,6 +80,24 @@ class IncomingWrites(TransportCore):
                 if not self._expect(link, req.seq + i, [row], parts.done):
                     return
 
+    def _on_ring_write(self, link: PeerLink, req: WriteRequest) -> None:
+        """A write request from the peer's ring.  One its consumption answers (``tail``) is
+        checked and counted here and answered by no :class:`~omni_async.wire.Ack`: the ring's
+        tail passes it once this batch is taken, and the peer is woken then if it sleeps
+        (:meth:`_flush_acks`); invalid, it breaks the protocol (its sender checked it against
+        our layout).  Any other: as from the lane."""
+        if not (req.tail and req.placed and req.notice is None and not req.intent):
+            self._on_write(link, req)
+            return
+        try:
+            blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
+        except ProtocolError as exc:
+            raise ProtocolError(f"a write answered by the ring's tail is invalid: {exc}") from None
+        if self._links.get(link.peer.peer_id) is not link:
+            return  # removed, its ring drained: nobody awaits the answer
+        link.tail_acked.append(req.transfer_id)
+        self.metrics.answered("blocks", blocks * self.regions.block_bytes, "ok", link.peer.peer_id)
+
     def _intend(self, link: PeerLink, req: WriteRequest, answer: Completion, refusal: InvalidBlocks | None) -> None:
         """An intent: the sender copies its rows now; it is answered (``refusal``, or done)
         on its commit, or fails on the write's abort or the peer's loss."""

@@ -153,6 +153,10 @@ class PeerLink:
     """The peer's chunk messages whose header was handled and whose payload has not arrived,
     by transfer: True once the peer gave it up (its ``Abort``): then it is answered as
     cancelled when it arrives, never delivered."""
+    tail_acked: list[int] = field(default_factory=list)
+    """The peer's writes that its ring records' consumption answers, handled in the ring
+    batch being taken: at its end we wake the peer if it sleeps (or acknowledge them, where
+    we cannot)."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""

@@ -178,7 +178,7 @@ class Messages(TransportCore):
             self._drop(link, exc)
             return "sent"
         if ring.broken is not None:
-            self._drop_ring_out(link)
+            self._ring_out_broke(link, ring.broken)
             return "lane"
         return "full"
 

@@ -157,6 +157,21 @@ class Producer(_Ring):
         self._ctl[_HEAD] = head
         return True
 
+    def consumed(self) -> int:
+        """Bytes the consumer took and gave back so far (its tail: every record that ends at or
+        before it was handled).  Raises :class:`RingError` for a tail outside ``[head -
+        capacity, head]`` (the consumer broke the ring)."""
+        tail = int(self._ctl[_TAIL])
+        if not 0 <= self._head - tail <= self.capacity:
+            behind = self._head - tail
+            raise RingError(f"the consumer's tail is {behind} bytes behind the head (capacity {self.capacity})")
+        return tail
+
+    def passed(self, position: int) -> bool:
+        """Whether the consumer's tail reached ``position`` (a :attr:`head` this side had):
+        one load, unchecked (:meth:`consumed` checks the tail before it is acted on)."""
+        return self._ctl[_TAIL] >= position
+
     def wants_wake(self) -> bool:
         """After :meth:`put`: True (once per sleep) if the consumer sleeps and must be woken."""
         fence()  # our head store before the load of its epoch (it stores the epoch, then loads the head)

@@ -38,6 +38,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -140,6 +141,8 @@ class RingReceiver:
         all).  Set it only for a peer in another process: one in this process cannot write
         while we poll."""
         self._delivering = False
+        self._answering: RingSender | None = None
+        self._answered: Callable[[int], None] | None = None
         self.turns = 0
         """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
@@ -165,6 +168,29 @@ class RingReceiver:
     def fds(self) -> tuple[int, int, int]:
         """The descriptors this receiver holds (memfd, pipe read end, pipe write end)."""
         return self._segment.fd, self._read, self._write
+
+    def answers_from(self, ring: RingSender, answered: Callable[[int], None]) -> None:
+        """Also take the answers that come without a record: ``ring`` is the peer's (the other
+        direction of the same link), and ``answered(key)`` is called once the peer consumed a
+        record put there with ``answered=key`` (:meth:`RingSender.send`; the peer answers such
+        records that way, :attr:`~omni_async.wire.WriteRequest.tail`).  A turn takes them after
+        its records (an answer among those comes first), spins for them as for records, and
+        looks once more before it sleeps (the peer wakes us once it consumed them).  A tail
+        the peer broke breaks the ring (:class:`~.ring.RingError`)."""
+        self._answering = ring
+        self._answered = answered
+
+    def stop_answers(self) -> None:
+        """Take no more answers without records (the peer's ring is closed here)."""
+        self._answering = None
+        self._answered = None
+
+    def _ready(self) -> bool:
+        """Whether a record, or an answer without one, is there to take."""
+        ring = self._answering
+        return self._consumer.ready() or (
+            ring is not None and bool(ring.awaiting) and ring.producer.passed(ring.awaiting[0][0])
+        )
 
     def _readable(self) -> None:
         try:
@@ -210,7 +236,7 @@ class RingReceiver:
                 started = time.perf_counter()
                 polling = started < self._awake_until or started < self._linger_until
                 if polling or self._expects():
-                    if spin(consumer.ready, SPIN):
+                    if spin(self._ready, SPIN):
                         delivered = self._take_batch()
                     elif polling and time.perf_counter() - started > self.lost_core:
                         # Another process had this core meanwhile: polling costs it more than
@@ -222,7 +248,7 @@ class RingReceiver:
             self._account_linger(delivered > 0, polling)
             if delivered or polling:
                 self.kick()
-            elif consumer.sleep():  # a record came just before it slept
+            elif consumer.sleep() or self._ready():  # a record (or answer) came just before it slept
                 consumer.awake()
                 self.kick()
         except ProtocolError as exc:
@@ -285,6 +311,15 @@ class RingReceiver:
                 if self._closed:
                     return delivered
                 commit()  # its bytes are free now: before any answer that lets the peer refill
+            ring = self._answering
+            if (
+                broken is None
+                and ring is not None
+                and ring.awaiting
+                and not self._closed
+                and ring.producer.passed(ring.awaiting[0][0])
+            ):
+                delivered += self._answers(ring)
             if delivered and self._batch_done is not None and not self._closed:
                 try:
                     self._batch_done()
@@ -297,6 +332,18 @@ class RingReceiver:
         if broken is not None:
             raise broken
         return delivered
+
+    def _answers(self, ring: RingSender) -> int:
+        """Hand on the answers the peer's consumption of ``ring`` gave (see :meth:`answers_from`)."""
+        answered = self._answered
+        assert answered is not None
+        keys = ring.consumed()
+        for key in keys:
+            try:
+                answered(key)
+            except Exception:  # a bug settling one fails that answer, not the ring
+                log.exception("handling an answer of a ring's consumption failed")
+        return len(keys)
 
     def _expects(self) -> bool:
         """Whether an answer is expected (the peer works for us: its answer is near)."""
@@ -362,16 +409,35 @@ class RingSender:
         self.max_payload = max_payload(capacity)
         self.broken: OSError | None = None
         """Set once a wake-up failed (the peer closed the ring or exited): stop using it."""
+        self.awaiting: deque[tuple[int, int]] = deque()
+        """The records put with ``answered`` whose consumption the peer's answer is, in ring
+        order: where each ends (the ring's byte count) and its key, until the peer's tail
+        passed it (:meth:`consumed`)."""
 
-    def send(self, kind: int, parts: Sequence[Part]) -> bool:
+    def send(self, kind: int, parts: Sequence[Part], answered: int | None = None) -> bool:
         """Append one record (``parts`` concatenated) and wake the peer if it sleeps; False if
-        it does not fit now or the ring broke (send it another way).  Raises
-        :class:`~.ring.RingError` if the peer corrupted the ring."""
-        if self.broken is not None or not self.producer.put(kind, parts):
+        it does not fit now or the ring broke (send it another way).  ``answered``: the peer
+        answers the record by consuming it: it is awaited under this key (:attr:`awaiting`).
+        Raises :class:`~.ring.RingError` if the peer corrupted the ring."""
+        producer = self.producer
+        if self.broken is not None or not producer.put(kind, parts):
             return False
-        if self.producer.wants_wake():
+        if answered is not None:
+            self.awaiting.append((producer.head, answered))
+        if producer.wants_wake():
             self.wake()
         return True
+
+    def consumed(self) -> list[int]:
+        """The keys of the awaited records the peer consumed since the last call, in order
+        (they leave :attr:`awaiting`).  Raises :class:`~.ring.RingError` for a tail the peer
+        broke."""
+        awaiting = self.awaiting
+        tail = self.producer.consumed()
+        keys = []
+        while awaiting and awaiting[0][0] <= tail:
+            keys.append(awaiting.popleft()[1])
+        return keys
 
     def wake(self) -> None:
         """Write a wake-up byte into the peer's pipe: its receiver runs a turn.  Sets

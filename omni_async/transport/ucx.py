@@ -92,7 +92,7 @@ class UcxTransport(Peers, BlockWrites, IncomingWrites, Messages):
         MessageHeader: Messages._on_message,
     }
     _RING_HANDLERS: ClassVar[dict[type[DataHeader], Callable[..., None]]] = {
-        WriteRequest: IncomingWrites._on_write,
+        WriteRequest: IncomingWrites._on_ring_write,
         Ack: TransportCore._on_ack,
         Acks: TransportCore._on_acks,
         Commit: IncomingWrites._on_commit,
