@@ -196,8 +196,8 @@ class WriteRequest(_Msg, tag="w", frozen=True):
     :class:`Commit` finishes it.  A large write without a notice is announced too (``intent``),
     so that the receiver is awake for its commit rather than woken after the copy.
 
-    ``tail``: a placed request without a notice, not an intent, whose sender takes the
-    receiver's consumption of its ring record as the acknowledgement (the ring's tail passing
+    ``tail``: a placed request without a notice, not an intent, alone in its transfer, whose
+    sender takes the receiver's consumption of its ring record as the acknowledgement (the ring's tail passing
     it, once every record before it was handled): taken from the ring and valid, it is
     answered by no :class:`Ack` (unless the receiver cannot wake the sender through the
     sender's own ring: then as any other); taken from the ring and invalid, it breaks the

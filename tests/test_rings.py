@@ -240,6 +240,39 @@ async def test_a_one_block_write_is_answered_by_the_receivers_consumption_not_by
     assert not a.transport.links["b"].ring_out.awaiting
 
 
+async def test_a_write_alone_in_its_transfer_is_answered_by_consumption_a_split_one_by_acks(make_agent):
+    """A small same-host write of several runs is one placed request, answered by the
+    receiver's consumption of its record; one the receiver's ``max_write_blocks`` splits is
+    several requests under one transfer, each answered by an Ack (an answer per request, so
+    the transfer settles once all are in)."""
+    from omni_async.wire import WriteRequest, decode_record
+
+    a = await make_agent(64, 4096, peer_id="a")
+    b = await make_agent(64, 4096, peer_id="b", max_write_blocks=16)
+    await asyncio.wait_for(a.connect(b.control_address), 10)
+    async with asyncio.timeout(5):
+        while not (a.transport.links["b"].ring_out and b.transport.links["a"].ring_out):
+            await asyncio.sleep(0.01)
+    fill = np.random.default_rng(9).integers(0, 256, a.region.array.shape, dtype=np.uint8)
+    a.region.array[:] = fill
+    answers = b.transport.links["a"].ring_out.producer  # where b's acknowledgements go
+    ring = a.transport.links["b"].ring_out
+    records: list[WriteRequest] = []
+    put = ring.send
+    ring.send = lambda kind, parts, answered=None: (  # type: ignore[method-assign]  # a spy around the real ring
+        records.append(decode_record(parts[0])), put(kind, parts, answered))[1]
+    await asyncio.wait_for(a.write_blocks("b", [0], [0]), 5)
+    before = answers.head
+    await asyncio.wait_for(a.write_blocks("b", [1, 5, 9, 2], [3, 7, 11, 1]), 5)
+    assert answers.head == before and records[-1].tail and len(records[-1].runs) == 4
+    records.clear()
+    local, remote = list(range(20, 40)), list(range(40, 60))
+    await asyncio.wait_for(a.write_blocks("b", local, remote), 5)
+    assert len(records) == 2 and not any(r.tail for r in records) and answers.head > before
+    assert np.array_equal(b.region.array[[3, 7, 11, 1, *remote]], fill[[1, 5, 9, 2, *local]])
+    assert a.stats()["blocks.ok"] == 3 and not ring.awaiting
+
+
 async def test_a_receiver_that_cannot_wake_the_sender_through_a_ring_acknowledges_as_before(make_agent):
     """b lost its ring to a (it broke): a's one-block write, answered by consumption, is
     acknowledged over the lane instead, and settles (once: the consumption comes too)."""

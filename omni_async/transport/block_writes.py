@@ -121,26 +121,12 @@ class BlockWrites(TransportCore):
         transfer_id = transfer.id
         link.outbox.start(transfer_id)
         runs = [(local, remote, 1)]
-        if not self._copy(link, transfer_id, runs):
+        if self._copy(link, transfer_id, runs):
+            tail = _answered_by_consumption(link)
+            header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], placed=True, tail=tail)
+            self._tell(link, transfer_id, header)
+        else:
             carry_out(link.outbox.withdraw(transfer_id))
-            return transfer
-        # Through the peer's ring, its consumption of the record answers it (``tail``): no
-        # acknowledgement record to make, send, take and decode.  That needs our own ring,
-        # where the peer wakes us (and :meth:`_take_tail_acks` is watched).
-        tail = link.ring_in is not None and link.ring_out is not None
-        header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], True, True, tail=tail)
-        if not tail:
-            self._send_header(link, header, partial(self._sent, link, transfer_id))
-            return transfer
-        body = encode_record(header)
-        try:
-            in_ring = self._ring_put(link, body, tail_of=transfer_id)
-        except RingError as exc:
-            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._drop(link, exc)
-            return transfer
-        if not in_ring:  # no room (or the ring broke): over the lane, acknowledged as any other
-            link.lane.send(with_length(body), HEADER_TAG, partial(self._sent, link, transfer_id))
         return transfer
 
     def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:
@@ -192,7 +178,7 @@ class BlockWrites(TransportCore):
             and blocks <= link.peer.max_write_blocks
             and len(runs) <= max_runs
         ):  # the common small write: one placed request, copied then told (as the loop below makes it)
-            carry_out(link.outbox.submit(transfer.id, [(0, 0, partial(self._place, link, transfer.id, runs))]))
+            carry_out(link.outbox.submit(transfer.id, [(0, 0, partial(self._place, link, transfer.id, runs, True))]))
             return transfer
         requests: list[tuple[int, int, Callable[[], None]]] = []
         split = split_runs(runs, link.peer.max_write_blocks, max_runs, blocks)
@@ -367,15 +353,37 @@ class BlockWrites(TransportCore):
             for code, reason in link.early_answers.pop(transfer_id, ()):
                 self._answered(link, transfer_id, code, reason)
 
-    def _place(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> None:
+    def _place(self, link: PeerLink, transfer_id: int, runs: list[Run], alone: bool = False) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header
-        (a write without a notice: nobody but the sender awaits it).  If the copy fails nothing
-        is sent, so no answer will come: the request's window share is withdrawn here."""
+        (a write without a notice: nobody but the sender awaits it); ``alone``: the transfer's
+        only request, which the peer's consumption of its ring record may answer (see
+        :meth:`_tell`).  If the copy fails nothing is sent, so no answer will come: the
+        request's window share is withdrawn here."""
         if self._copy(link, transfer_id, runs):
-            header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
-            self._send_header(link, header, partial(self._sent, link, transfer_id))
+            tail = alone and _answered_by_consumption(link)
+            header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True, tail=tail)
+            self._tell(link, transfer_id, header)
         else:
             carry_out(link.outbox.withdraw(transfer_id))
+
+    def _tell(self, link: PeerLink, transfer_id: int, header: WriteRequest) -> None:
+        """Send a copied request's ``placed`` header.  With ``tail`` (the transfer's only
+        request, both rings up) into the peer's ring, where the peer's consumption of it is the
+        answer (no Ack record made, sent, taken or decoded: see
+        :class:`~omni_async.wire.WriteRequest`), or over the lane if the ring has no room (then
+        answered as any other); without, as any header."""
+        if not header.tail:
+            self._send_header(link, header, partial(self._sent, link, transfer_id))
+            return
+        body = encode_record(header)
+        try:
+            in_ring = self._ring_put(link, body, tail_of=transfer_id)
+        except RingError as exc:
+            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
+            self._drop(link, exc)
+            return
+        if not in_ring:
+            link.lane.send(with_length(body), HEADER_TAG, partial(self._sent, link, transfer_id))
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
@@ -491,12 +499,20 @@ def _write_request(
     intent: bool = False,
     part: int = 0,
     parts: int = 1,
+    tail: bool = False,
 ) -> WriteRequest:
     """A write request's header; ``part`` of ``parts`` unless the notice's ``tag`` says."""
     pairs = [(remote, length) for _local, remote, length in runs]
     if tag is None:
-        return WriteRequest(transfer_id, seq, pairs, gathered, placed, part=part, parts=parts, intent=intent)
+        return WriteRequest(transfer_id, seq, pairs, gathered, placed, part=part, parts=parts, intent=intent, tail=tail)
     return WriteRequest(transfer_id, seq, pairs, gathered, placed, tag.data, tag.part, tag.parts)
+
+
+def _answered_by_consumption(link: PeerLink) -> bool:
+    """Whether a placed request alone in its transfer goes as ``tail`` (the peer's consumption
+    of its ring record answers it): both rings are up, the peer's to put it into and ours,
+    where the peer wakes us and the answer is watched (:meth:`.RingReceiver.answers_from`)."""
+    return link.ring_in is not None and link.ring_out is not None
 
 
 def _request_blocks(request: list[Run], blocks: int, requests: int) -> int:
