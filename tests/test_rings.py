@@ -307,6 +307,48 @@ async def test_an_invalid_write_answered_by_consumption_drops_its_sender(make_ag
     assert (b.region.array[3] == 5).all()
 
 
+async def test_drain_takes_every_record_even_when_a_batch_also_took_answers():
+    """A batch that delivers a whole batch of records and then answers without records (the
+    peer consumed a write of ours) still lets drain() go on: every record published before
+    the call is delivered (a review found drain() stop after the first batch: a commit that
+    came over the lane then found no intent, and a good peer was dropped)."""
+    loop = asyncio.get_running_loop()
+    got, answered = [], []
+    ours = samehost.RingReceiver(loop, lambda kind, payload: got.append(bytes(payload)), lambda exc: None,
+                                 lambda: False, capacity=SMALL_RING)
+    theirs = samehost.RingReceiver(loop, lambda kind, payload: None, lambda exc: None, lambda: False,
+                                   capacity=SMALL_RING)
+    to_them, to_us = samehost.RingSender(theirs.offer()), samehost.RingSender(ours.offer())
+    ours.answers_from(to_them, answered.append)
+    try:
+        for i in range(600):
+            assert to_us.send(samehost.KIND_HEADER, [b"%d" % i])
+        assert to_them.send(samehost.KIND_HEADER, [b"tail"], answered=7)
+        theirs.drain()  # the peer consumes our record: its tail passes it
+        ours.drain()
+        assert answered == [7] and len(got) == 600
+    finally:
+        for ring in (to_them, to_us, ours, theirs):
+            ring.close()
+
+
+async def test_writes_consumed_before_the_peers_ring_broke_settle_as_done(make_agent):
+    """The peer took a write (its tail passed the record), then closed its ring before we
+    looked: dropping its ring settles that write as done (its answer came) and fails only
+    the one it never took (a review found both failed with PeerLost)."""
+    a, b = await pair(make_agent)
+    la, lb = a.transport.links["b"], b.transport.links["a"]
+    first = a.write_blocks("b", [3], [4])
+    lb.ring_in.drain()  # b takes and counts it
+    lb.ring_in.run()  # b's turn: it sleeps again (a new epoch, so our next put wakes it)
+    lb.ring_in.close()  # b closes its ring
+    second = a.write_blocks("b", [5], [6])  # our wake-up fails: the ring is dropped
+    assert la.ring_out is None and b.stats()["received.blocks.ok"] == 1
+    await asyncio.wait_for(first, 5)
+    with pytest.raises(PeerLost, match="closed its ring"):
+        await asyncio.wait_for(second, 5)
+
+
 async def test_a_write_cancelled_before_its_consumption_settles_once(make_agent):
     """Cancelled before the receiver consumed its record: cancelled, and the consumption
     that comes after answers nothing; the next write settles as usual."""

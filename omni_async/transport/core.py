@@ -225,18 +225,25 @@ class TransportCore(ABC):
         if direct is not None:
             direct.close()
 
-    @staticmethod
-    def _drop_ring_out(link: PeerLink) -> list[int]:
-        """Stop writing into the peer's ring and close our side of it; returns the transfers
-        that awaited its consumption (see :meth:`.RingReceiver.answers_from`): it never comes
-        now (the caller settles them, or the peer's removal does)."""
+    def _drop_ring_out(self, link: PeerLink) -> list[int]:
+        """Stop writing into the peer's ring and close our side of it.  The writes whose
+        records the peer consumed by now settle as done (that was their answer: see
+        :meth:`.RingReceiver.answers_from`); returns the transfers still awaiting it, which
+        never comes now (the caller fails them, or the peer's removal does)."""
         ring, link.ring_out = link.ring_out, None
         if ring is None:
             return []
         if link.ring_in is not None:
             link.ring_in.stop_answers()
+        try:
+            consumed = ring.consumed()
+        except RingError:  # the peer broke its tail: nothing it says counts
+            consumed = []
         awaiting = [transfer_id for _end, transfer_id in ring.awaiting]
         ring.close()
+        for transfer_id in consumed:
+            self._answered(link, transfer_id, "", "")
+            self._settle(link, transfer_id, None)  # (a removed peer's outbox forgot it: settled here)
         return awaiting
 
     def _ring_out_broke(self, link: PeerLink, broken: OSError) -> None:

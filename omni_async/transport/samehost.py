@@ -230,14 +230,14 @@ class RingReceiver:
         if self.pool is not None:
             self.pool.publish()  # the pieces our consumers dropped since the last turn
         try:
-            delivered = self._take_batch()
+            delivered = sum(self._take_batch())
             polling = False
             if not delivered and not self._closed:
                 started = time.perf_counter()
                 polling = started < self._awake_until or started < self._linger_until
                 if polling or self._expects():
                     if spin(self._ready, SPIN):
-                        delivered = self._take_batch()
+                        delivered = sum(self._take_batch())
                     elif polling and time.perf_counter() - started > self.lost_core:
                         # Another process had this core meanwhile: polling costs it more than
                         # a wake-up (which also lets the scheduler run us at once): sleep.
@@ -281,18 +281,19 @@ class RingReceiver:
             return
         try:
             until = self._consumer.published()
-            while self._take_batch(until) == _BATCH and not self._closed:
+            while self._take_batch(until)[0] == _BATCH and not self._closed:
                 pass
         except ProtocolError as exc:
             self.close()
             self._fault(exc)
 
-    def _take_batch(self, until: int = NO_BOUND) -> int:
+    def _take_batch(self, until: int = NO_BOUND) -> tuple[int, int]:
         """Deliver at most a batch of the records published (before ``until``, a head from
-        :meth:`.Consumer.published`); returns how many."""
+        :meth:`.Consumer.published`), then the answers without records that came (see
+        :meth:`answers_from`); returns how many of each."""
         consumer = self._consumer
         take, commit, deliver = consumer.take, consumer.commit, self._deliver
-        delivered = 0
+        delivered = answers = 0
         broken: ProtocolError | None = None
         self._delivering = True
         try:
@@ -309,7 +310,7 @@ class RingReceiver:
                     log.exception("handling a ring record failed")
                 delivered += 1
                 if self._closed:
-                    return delivered
+                    return delivered, 0
                 commit()  # its bytes are free now: before any answer that lets the peer refill
             ring = self._answering
             if (
@@ -319,8 +320,8 @@ class RingReceiver:
                 and not self._closed
                 and ring.producer.passed(ring.awaiting[0][0])
             ):
-                delivered += self._answers(ring)
-            if delivered and self._batch_done is not None and not self._closed:
+                answers = self._answers(ring)
+            if (delivered or answers) and self._batch_done is not None and not self._closed:
                 try:
                     self._batch_done()
                 except ProtocolError:
@@ -331,7 +332,7 @@ class RingReceiver:
             self._delivering = False
         if broken is not None:
             raise broken
-        return delivered
+        return delivered, answers
 
     def _answers(self, ring: RingSender) -> int:
         """Hand on the answers the peer's consumption of ``ring`` gave (see :meth:`answers_from`)."""
