@@ -156,6 +156,27 @@ def test_outbox_posts_within_the_window_in_order_and_settles_on_the_last_answer(
     assert [box.take_seq(3), box.take_seq(1), box.take_seq(2)] == [0, 3, 4]
 
 
+def test_outbox_starts_a_placed_request_at_once_only_while_idle_and_settles_it_as_submitted():
+    """``start``: a transfer of one request that needs no window room (a same-host placed
+    write), posted at once, as ``submit`` would post it on an idle outbox: the same answers,
+    cancel modes and window accounting."""
+    from omni_async.transport.protocol import GiveUp
+
+    box = outbox(max_messages=4)
+    assert box.idle
+    box.start(1)
+    assert box.posted(1) and (box.window.messages, box.window.nbytes) == (0, 0)
+    assert box.answered(1, "", "") == (True, None, [])
+    assert box.answered(1, "", "") == (False, None, [])  # a second answer (tail and Ack) is ignored
+    assert box.submit(2, [(4, 0, "2a"), (1, 0, "2b")]) == ["2a"]  # 2b waits for room
+    assert not box.idle  # the short path is not taken now: a write goes behind 2b
+    assert box.answered(2, "", "") == (False, None, ["2b"])
+    assert box.idle
+    box.start(3)
+    assert box.give_up(3, "wait") is GiveUp.KEEP and box.give_up(3) is GiveUp.SETTLE  # posted, not abortable
+    assert box.forget(3) == [] and not box.posted(3)
+
+
 def test_outbox_cancel_in_both_modes():
     box = outbox(max_messages=4)
     assert box.submit(1, [(4, 0, "1")]) == ["1"]
