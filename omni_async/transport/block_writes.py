@@ -32,7 +32,6 @@ from ..wire import (
     data_tag,
     encode_header,
     encode_record,
-    with_length,
 )
 from .core import TransportCore, carry_out
 from .iov import iov_of_runs
@@ -124,7 +123,7 @@ class BlockWrites(TransportCore):
         if self._copy(link, transfer_id, runs):
             tail = _answered_by_consumption(link)
             header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], placed=True, tail=tail)
-            self._tell(link, transfer_id, header)
+            self._send_header(link, header, partial(self._sent, link, transfer_id), transfer_id if tail else None)
         else:
             carry_out(link.outbox.withdraw(transfer_id))
         return transfer
@@ -356,34 +355,15 @@ class BlockWrites(TransportCore):
     def _place(self, link: PeerLink, transfer_id: int, runs: list[Run], alone: bool = False) -> None:
         """Copy the runs straight into the peer's region, then tell it with a ``placed`` header
         (a write without a notice: nobody but the sender awaits it); ``alone``: the transfer's
-        only request, which the peer's consumption of its ring record may answer (see
-        :meth:`_tell`).  If the copy fails nothing is sent, so no answer will come: the
+        only request, which the peer's consumption of its ring record may answer (``tail``:
+        see :class:`~omni_async.wire.WriteRequest`).  If the copy fails nothing is sent, so no answer will come: the
         request's window share is withdrawn here."""
         if self._copy(link, transfer_id, runs):
             tail = alone and _answered_by_consumption(link)
             header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True, tail=tail)
-            self._tell(link, transfer_id, header)
+            self._send_header(link, header, partial(self._sent, link, transfer_id), transfer_id if tail else None)
         else:
             carry_out(link.outbox.withdraw(transfer_id))
-
-    def _tell(self, link: PeerLink, transfer_id: int, header: WriteRequest) -> None:
-        """Send a copied request's ``placed`` header.  With ``tail`` (the transfer's only
-        request, both rings up) into the peer's ring, where the peer's consumption of it is the
-        answer (no Ack record made, sent, taken or decoded: see
-        :class:`~omni_async.wire.WriteRequest`), or over the lane if the ring has no room (then
-        answered as any other); without, as any header."""
-        if not header.tail:
-            self._send_header(link, header, partial(self._sent, link, transfer_id))
-            return
-        body = encode_record(header)
-        try:
-            in_ring = self._ring_put(link, body, tail_of=transfer_id)
-        except RingError as exc:
-            self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._drop(link, exc)
-            return
-        if not in_ring:
-            link.lane.send(with_length(body), HEADER_TAG, partial(self._sent, link, transfer_id))
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1

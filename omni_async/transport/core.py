@@ -155,11 +155,12 @@ class TransportCore(ABC):
         link.ring_in = None
         self._drop(link, error)
 
-    def _send_header(self, link: PeerLink, header: DataHeader, done: Completion) -> None:
-        """Send a header through the peer's ring if there is one with room, else over UCX."""
+    def _send_header(self, link: PeerLink, header: DataHeader, done: Completion, tail_of: int | None = None) -> None:
+        """Send a header through the peer's ring if there is one with room, else over UCX
+        (``tail_of``: see :meth:`_ring_put`; over UCX the header is answered as any other)."""
         body = encode_record(header)
         try:
-            if self._ring_put(link, body):
+            if self._ring_put(link, body, tail_of):
                 return
         except RingError as exc:
             self._drop(link, exc)
