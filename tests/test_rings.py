@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_async.errors import PeerLost, TransferCancelled, TransferFailed
+from omni_async.errors import PeerLost, ProtocolError, TransferCancelled, TransferFailed
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
 from omni_async.transport.turns import SpinGate
@@ -475,19 +475,19 @@ async def test_a_pooled_message_is_placed_whole_and_aligned_and_is_not_copied_by
 
 async def test_a_garbage_pool_tail_drops_the_peer_before_any_copy(make_agent):
     """A receiver that writes a tail into its shared pool that it could not have published:
-    the sender raises no further (its message fails with PeerLost), drops the peer, and
-    never copies into the pool."""
+    the sender raises no further, drops the peer first (its message fails with the removal's
+    reason, the broken tail, as every transfer to that peer does), and never copies into the
+    pool."""
     from omni_async.transport.messages import POOL_MIN
 
     a, b = await pair(make_agent, max_message_bytes=1 << 30)
     b.set_message_sink(lambda *_: None)
     ctl = b.transport.links["a"].ring_in.pool._ctl
     ctl[0] = 1 << 40  # far ahead of anything the sender placed
-    with pytest.raises(PeerLost, match="broke the ring"):
-        await asyncio.wait_for(a.send_message("b", "k", b"", [np.ones(POOL_MIN, np.uint8)]), 5)
-    async with asyncio.timeout(5):
-        while "b" in a.peers:
-            await asyncio.sleep(0.01)
+    message = a.send_message("b", "k", b"", [np.ones(POOL_MIN, np.uint8)])
+    assert "b" not in a.peers and message.done()
+    with pytest.raises(ProtocolError, match="the pool's tail is"):
+        await asyncio.wait_for(message, 5)
 
 
 async def test_an_idle_pair_runs_no_ring_turns(make_agent):
@@ -794,6 +794,25 @@ async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
     await asyncio.wait_for(asyncio.gather(*transfers), 30)
     assert got == [(f"k{i}", i % 7) for i in range(count)]
     assert tags == [] and not a.transport.links["b"].parked
+
+
+async def test_a_ring_found_broken_while_parked_messages_go_out_drops_the_peer_and_fails_them_all(make_agent):
+    """Messages wait for room in a full ring; when the first of them is put, the peer's tail
+    is found broken: the peer is dropped (which fails every message, those waiting included),
+    and the posting of the parked ones stops there, with nothing left behind."""
+    a, b = await pair(make_agent, shared_pool_mib=8)
+    size = samehost.RING_CAPACITY // 8
+    count = 3 * (samehost.RING_CAPACITY + b.transport.links["a"].ring_in.pool.capacity) // size
+    frame = np.ones(size, np.uint8)
+    transfers = [a.send_message("b", f"k{i}", b"", [frame]) for i in range(count)]
+    link = a.transport.links["b"]
+    assert link.parked
+    producer = link.ring_out.producer
+    producer._ctl[8] = producer.head + 8  # b's tail (ring.py's layout) past what was produced
+    a.transport._unpark(link)  # as an answer that freed room would
+    assert "b" not in a.peers and not link.parked
+    results = await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 10)
+    assert all(isinstance(result, PeerLost | ProtocolError) for result in results), results
 
 
 @pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye", "pooled", "pool overrun"])

@@ -204,6 +204,61 @@ async def test_cancelling_one_awaiter_leaves_the_transfer_and_its_other_awaiters
     assert transfer.waiters == 0
 
 
+async def test_an_awaiter_that_took_the_answer_itself_goes_on_without_a_loop_turn_only_when_told():
+    """``answer_in_awaiter``: the first await calls the hook once while pending; a hook that
+    settled the transfer and returns True lets the await return without suspending (a
+    callback queued before it has not run), False makes it wait as any other (a loop turn),
+    a failure is raised either way, and a transfer settled before its await never calls it."""
+    loop = asyncio.get_running_loop()
+    ran: list[str] = []
+    calls: list[int] = []
+
+    def settle_and(go_on: bool, error: PeerLost | None = None):
+        def hook(transfer: Transfer) -> bool:
+            calls.append(transfer.id)
+            transfer.set_failed(error) if error else transfer.set_done()
+            return go_on
+        return hook
+
+    quick = Transfer(1, "p", 1)
+    quick.answer_in_awaiter(settle_and(True))
+    loop.call_soon(ran.append, "turn")
+    await quick
+    assert ran == [] and calls == [1] and quick.state is State.DONE
+    await quick  # the hook was used up: a settled transfer's await gives the loop its turn
+    assert ran == ["turn"] and calls == [1]
+
+    slow = Transfer(2, "p", 1)
+    slow.answer_in_awaiter(settle_and(False))
+    loop.call_soon(ran.append, "turn 2")
+    await slow
+    assert ran == ["turn", "turn 2"] and calls == [1, 2]
+
+    lost = Transfer(3, "p", 1)
+    lost.answer_in_awaiter(settle_and(True, PeerLost("gone")))
+    with pytest.raises(PeerLost, match="gone"):
+        await lost
+
+    unanswered = Transfer(4, "p", 1)  # the hook found no answer: the await waits for it
+    unanswered.answer_in_awaiter(lambda transfer: calls.append(transfer.id) or False)
+    waiter = asyncio.ensure_future(_await(unanswered))
+    await asyncio.sleep(0)
+    assert not waiter.done() and unanswered.waiters == 1
+    unanswered.set_done()
+    await asyncio.wait_for(waiter, 5)
+
+    early = Transfer(5, "p", 1)
+    early.answer_in_awaiter(settle_and(True))
+    early.set_done()  # settled by the loop first: the hook is dropped (it holds the transport)
+    await early
+    assert calls == [1, 2, 3, 4]
+    late = Transfer(6, "p", 1)
+    late.set_done()
+    late.answer_in_awaiter(settle_and(True))  # settled already: not kept
+    await late
+    assert calls == [1, 2, 3, 4]
+
+
 async def test_cancelling_a_transfer_immediately_or_after_the_data_plane_lets_go():
     asked = []
 

@@ -5,16 +5,19 @@ import asyncio
 import fcntl
 import os
 import signal
+import threading
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 
-from omni_async import Agent, BlockRegion, InvalidBlocks, PeerLost, ProtocolError
+from omni_async import Agent, BlockRegion, InvalidBlocks, PeerLost, ProtocolError, UnknownPeer
 from omni_async.handshake import PeerInfo
 from omni_async.memfd import NAME_PREFIX, SharedSegment
 from omni_async.transport.shared import MappedRegion, Refused, advertise, open_writer
+from omni_async.transport.turns import TurnBudget
 from omni_async.transport.vmwrite import VmWriter
 from omni_async.wire import (
     HEADER_TAG,
@@ -28,7 +31,7 @@ from omni_async.wire import (
     encode_header,
 )
 
-from .conftest import fast_config
+from .conftest import FAST, fast_config
 from .helpers.kill import assert_lost_in_time, writer_killed_then_serve_another, writes_through_a_kill
 from .helpers.procfs import fd_targets
 
@@ -472,16 +475,108 @@ async def test_writes_land_in_the_other_process_with_one_copy(make_agent, spawn_
     assert agent.transport.direct_kind("rx") == kind
     local, remote = [3, 9, 10, 11, 40, 2], [50, 0, 1, 2, 33, 20]
     await asyncio.wait_for(agent.write_blocks("rx", local, remote), 10)
-    if kind == "memfd":  # look at the peer's memory the way the lane does
-        view = MappedRegion(RegionShare(pid=peer.info["pid"], fd=peer.info["fd"], token=peer.info["token"]),
-                            NUM_BLOCKS, BLOCK_LEN)
-        theirs = view.rows.copy()
-        view.close()
-    else:
-        theirs = np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN))
     expected = np.zeros_like(agent.region.array)
     expected[remote] = agent.region.array[local]
-    assert np.array_equal(theirs, expected)
+    assert np.array_equal(peer_rows(peer, kind, path), expected)
+
+
+def peer_rows(peer: Any, kind: str, path: str) -> np.ndarray:
+    """A copy of a "serve" peer's region, read the way the lane reaches it."""
+    if kind == "memfd":  # mapped as the lane maps it
+        view = MappedRegion(RegionShare(pid=peer.info["pid"], fd=peer.info["fd"], token=peer.info["token"]),
+                            NUM_BLOCKS, BLOCK_LEN)
+        rows = view.rows.copy()
+        view.close()
+        return rows
+    return np.array(np.memmap(path, dtype=np.uint8, mode="r", shape=(NUM_BLOCKS, BLOCK_LEN)))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_awaited_one_block_writes_take_their_answers_in_the_awaiter_and_the_loop_still_turns(
+    make_agent, spawn_peer, tmp_path, kind
+):
+    """A receiver in another process: one-block writes awaited back to back take the answer
+    (the receiver's consumption of the record) in the awaiting task, and may go on without a
+    loop turn; every block lands, and the loop still turns at least once per
+    ``TurnBudget.LIMIT`` + 1 writes (a task that counts its turns keeps running)."""
+    path = str(tmp_path / "region") + KINDS[kind]
+    peer = await spawn_peer("serve", path, NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    agent.region.array[:] = np.arange(1, NUM_BLOCKS + 1, dtype=np.uint8)[:, None]
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.create_task(count_turns())
+    writes = 20 * (TurnBudget.LIMIT + 1)
+    try:
+        async with asyncio.timeout(30):
+            for i in range(writes):
+                await agent.write_blocks("rx", [i % NUM_BLOCKS], [(i * 7) % NUM_BLOCKS])
+    finally:
+        counter.cancel()
+    assert turns >= writes // (TurnBudget.LIMIT + 1)
+    assert agent.transport.links["rx"].ring_in.taken_by_awaiters > 0
+    assert np.array_equal(peer_rows(peer, kind, path)[(np.arange(NUM_BLOCKS) * 7) % NUM_BLOCKS], agent.region.array)
+
+
+@pytest.mark.parametrize("what", ["write", "message"])
+async def test_a_transfer_whose_wake_up_finds_the_receivers_ring_closed_fails_only_after_the_peer_left(
+    make_agent, spawn_peer, tmp_path, what
+):
+    """A receiver killed while its ring sleeps: a write copied into its mapped rows (or a
+    message) put into its ring finds the wake-up pipe closed (EPIPE).  It fails with PeerLost,
+    and the peer is dropped first (whoever is told so finds it gone, as for a failed copy),
+    before this process's loop has run: not by the control plane later."""
+    peer = await spawn_peer("serve", str(tmp_path / "region.memfd"), NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    await asyncio.wait_for(agent.write_blocks("rx", [1], [1]), 10)
+    producer = agent.transport.links["rx"].ring_out.producer
+    deadline = time.monotonic() + 10
+    while not sleeps_unwoken(producer):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    peer.proc.kill()
+    while not all_threads_exited(peer.proc.pid):  # (its pipe closed) without running the loop
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    if what == "write":
+        write = agent.write_blocks("rx", [2], [2])
+    else:
+        write = agent.send_message("rx", "k", b"meta", [np.ones(100, np.uint8)])
+    assert write.done() and isinstance(write.error(), PeerLost)
+    assert "rx" not in agent.peers and agent.transport.peer_ids == []
+    with pytest.raises(PeerLost):
+        await write
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+async def test_receiver_killed_while_one_block_writes_are_awaited_one_by_one(make_agent, spawn_peer, tmp_path, kind):
+    """kill -9 of the receiver while this process awaits one-block writes back to back (each
+    awaiter polls for its answer itself): the write in progress fails with PeerLost (or the
+    next one finds the peer gone) within the heartbeat timeout, and this process lives on."""
+    peer = await spawn_peer("serve", str(tmp_path / "region") + KINDS[kind], NUM_BLOCKS, BLOCK_LEN, {"peer_id": "rx"})
+    agent = await make_agent(NUM_BLOCKS, BLOCK_LEN, peer_id="tx")
+    await asyncio.wait_for(agent.connect(peer.info["address"]), 10)
+    written = 0
+    killer = threading.Timer(0.1, peer.proc.kill)
+    killer.start()
+    try:
+        with pytest.raises((PeerLost, UnknownPeer)) as failed:
+            async with asyncio.timeout(FAST["heartbeat_timeout"] + 5):
+                while True:
+                    await agent.write_blocks("rx", [written % NUM_BLOCKS], [written % NUM_BLOCKS])
+                    written += 1
+    finally:
+        killer.join()
+    assert written > 0 and agent.peers == {}, repr(failed.value)
+    await asyncio.wait_for(peer.proc.wait(), 10)
 
 
 @pytest.mark.alone  # compares /dev/shm before and after: runs after the parallel part (make test)
@@ -526,6 +621,23 @@ async def test_sender_killed_mid_write_receiver_keeps_serving(owned, spawn_peer,
     await writer_killed_then_serve_another(agent, spawn_peer, tmp_path, NUM_BLOCKS, BLOCK_LEN, KINDS[kind])
     assert dev_shm() <= before
 
+
+
+def sleeps_unwoken(producer: Any) -> bool:
+    """Whether the consumer of ``producer``'s ring sleeps (its epoch is odd: ring.py's layout)
+    and this producer has not woken it for that sleep yet (so its next put wakes it)."""
+    epoch = int(producer._ctl[16])
+    return bool(epoch & 1) and epoch != producer._woken
+
+
+def all_threads_exited(pid: int) -> bool:
+    """Whether every thread of ``pid`` exited (its descriptors are closed only then: a killed
+    process's leader is a zombie while its other threads still exit)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    return tasks in ([], [str(pid)]) and process_state(pid) in ("Z", None)
 
 
 def process_state(pid: int) -> str | None:

@@ -1,6 +1,8 @@
 """The turn helpers without a loop: a spin gate counts chances, so its retries always come."""
 
-from omni_async.transport.turns import SpinGate
+import asyncio
+
+from omni_async.transport.turns import SpinGate, TurnBudget
 
 
 def test_spin_gate_retries_every_retry_th_chance_after_misses_and_reopens_on_a_hit():
@@ -27,3 +29,11 @@ def test_spin_gate_counts_outcomes_recorded_for_spins_made_elsewhere():
     assert not gate.may()
     gate.record(True)
     assert all(gate.may() for _ in range(SpinGate.RETRY))
+
+
+async def test_a_turn_budget_lets_limit_awaits_skip_the_loop_then_asks_for_a_turn():
+    """``limit`` skips in a row, then none until the loop had a turn (which clears the count)."""
+    budget = TurnBudget(asyncio.get_running_loop(), limit=3)
+    assert [budget.may_skip() for _ in range(5)] == [True, True, True, False, False]
+    await asyncio.sleep(0)
+    assert [budget.may_skip() for _ in range(4)] == [True, True, True, False]

@@ -123,7 +123,7 @@ class BlockWrites(TransportCore):
         if self._copy(link, transfer_id, runs):
             tail = _answered_by_consumption(link)
             header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], placed=True, tail=tail)
-            self._send_header(link, header, partial(self._sent, link, transfer_id), transfer_id if tail else None)
+            self._tell_placed(link, header)
         else:
             carry_out(link.outbox.withdraw(transfer_id))
         return transfer
@@ -361,9 +361,21 @@ class BlockWrites(TransportCore):
         if self._copy(link, transfer_id, runs):
             tail = alone and _answered_by_consumption(link)
             header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True, tail=tail)
-            self._send_header(link, header, partial(self._sent, link, transfer_id), transfer_id if tail else None)
+            self._tell_placed(link, header)
         else:
             carry_out(link.outbox.withdraw(transfer_id))
+
+    def _tell_placed(self, link: PeerLink, header: WriteRequest) -> None:
+        """Send the header of a request copied into the peer's rows; if the peer's consumption
+        of its ring record answers it (``tail``), the transfer's awaiter takes that answer
+        (:meth:`~.transfer.Transfer.answer_in_awaiter`), unless the peer runs in this
+        process (it cannot answer while the awaiter polls)."""
+        transfer_id = header.transfer_id
+        tail_of = transfer_id if header.tail else None
+        if self._send_header(link, header, partial(self._sent, link, transfer_id), tail_of) and header.tail:
+            ring, sent = link.ring_out, link.sent.get(transfer_id)  # (a ring that broke on the put settled it)
+            if ring is not None and not ring.in_this_process and sent is not None:
+                sent.transfer.answer_in_awaiter(self._answer_in_awaiter)
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
@@ -382,8 +394,8 @@ class BlockWrites(TransportCore):
         try:
             in_ring = link.direct is not None and self._ring_put(link, encode_record(intent))
         except RingError as exc:
+            self._drop(link, exc)  # first: its removal fails what it was sent (this one too, if it was current)
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._drop(link, exc)
             return
         if not in_ring:
             if tag is None:

@@ -67,6 +67,7 @@ from .rma import Registration
 from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED
 from .sink_tasks import SinkTasks
 from .transfer import CancelMode, Transfer
+from .turns import TurnBudget
 from .vetting import shared_vetter
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class TransportCore(ABC):
         """Notices of incoming writes, for the application (see :mod:`.notices`)."""
         self._fault = fault
         self._loop = asyncio.get_running_loop()
+        self._turn_budget = TurnBudget(self._loop)
         self._context = new_context(config.ucx_tls, config.ucx_net_devices)
         self._links: dict[str, PeerLink] = {}
         self._ids = itertools.count(1)
@@ -155,17 +157,19 @@ class TransportCore(ABC):
         link.ring_in = None
         self._drop(link, error)
 
-    def _send_header(self, link: PeerLink, header: DataHeader, done: Completion, tail_of: int | None = None) -> None:
+    def _send_header(self, link: PeerLink, header: DataHeader, done: Completion, tail_of: int | None = None) -> bool:
         """Send a header through the peer's ring if there is one with room, else over UCX
-        (``tail_of``: see :meth:`_ring_put`; over UCX the header is answered as any other)."""
+        (``tail_of``: see :meth:`_ring_put`; over UCX the header is answered as any other).
+        True if it went into the ring."""
         body = encode_record(header)
         try:
             if self._ring_put(link, body, tail_of):
-                return
+                return True
         except RingError as exc:
             self._drop(link, exc)
-            return
+            return False
         link.lane.send(with_length(body), HEADER_TAG, done)
+        return False
 
     def _ring_put(self, link: PeerLink, data: bytes, tail_of: int | None = None) -> bool:
         """Put one header (:func:`~omni_async.wire.encode_record`) into the peer's ring, where
@@ -248,9 +252,12 @@ class TransportCore(ABC):
         return awaiting
 
     def _ring_out_broke(self, link: PeerLink, broken: OSError) -> None:
-        """The peer closed its ring (a wake-up failed): stop using it; what awaited its
-        consumption fails."""
+        """The peer closed its ring (a wake-up failed): it exited, or dropped us.  Drop it
+        first, as :meth:`_lose` does (its removal fails what awaited the ring's consumption,
+        and whoever is told so finds the peer gone); for a link removed already, stop using the
+        ring and fail those here."""
         lost = PeerLost(f"peer {link.peer.peer_id!r} closed its ring: {broken}")
+        self._drop(link, lost)
         for transfer_id in self._drop_ring_out(link):
             self._settle(link, transfer_id, lost)
 
@@ -259,6 +266,16 @@ class TransportCore(ABC):
         ring, link.ring_in = link.ring_in, None
         if ring is not None:
             ring.close()
+
+    def _answer_in_awaiter(self, transfer: Transfer) -> bool:
+        """Take the answer to a write that the peer's consumption of its ring record answers in
+        the task that awaits it (:meth:`.Transfer.answer_in_awaiter`): poll our ring for it
+        briefly (:meth:`.RingReceiver.take_answers_until`).  True if it settled and the
+        awaiter may go on without a loop turn (:class:`~.turns.TurnBudget`)."""
+        link = self._links.get(transfer.peer_id)
+        if link is not None and link.ring_in is not None:
+            link.ring_in.take_answers_until(transfer.done)
+        return transfer.done() and self._turn_budget.may_skip()
 
     def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind) -> Transfer:
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, on_cancel=self._on_cancel)

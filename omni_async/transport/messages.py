@@ -148,6 +148,8 @@ class Messages(TransportCore):
             outcome = self._ring_message(link, message) if link.ring_out is not None else "lane"
             if outcome == "full" and self._may_park(link, len(parked)):
                 return
+            if self._links.get(link.peer.peer_id) is not link:
+                return  # the peer was dropped (its removal failed what was parked)
             parked.popleft()
             if outcome != "sent":
                 self._lane_message(link, message)
@@ -169,18 +171,16 @@ class Messages(TransportCore):
                 return "lane"
             else:
                 sent = ring.send(KIND_MESSAGE, [data, *payload])  # flat uint8 frames: no memoryview each
-            if sent:
-                if link.ring_in is not None:
-                    link.ring_in.kick()  # spin for the answer rather than sleep
-                return "sent"
+            if sent and link.ring_in is not None:
+                link.ring_in.kick()  # spin for the answer rather than sleep
         except RingError as exc:
+            self._drop(link, exc)  # first: its removal fails what it was sent (this one too, if it was current)
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
-            self._drop(link, exc)
             return "sent"
-        if ring.broken is not None:
+        if ring.broken is not None:  # its wake-up failed: the peer is dropped, which fails this message
             self._ring_out_broke(link, ring.broken)
-            return "lane"
-        return "full"
+            return "sent" if sent or self._links.get(link.peer.peer_id) is not link else "lane"
+        return "sent" if sent else "full"
 
     @staticmethod
     def _pooled(ring: RingSender, data: bytes, sizes: list[int], payload: Frames) -> bool:

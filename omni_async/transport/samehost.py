@@ -147,6 +147,8 @@ class RingReceiver:
         """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
         """Pipe wake-ups so far (for idle-CPU tests)."""
+        self.taken_by_awaiters = 0
+        """Awaiters that took their answer themselves (:meth:`take_answers_until`), for tests."""
         self.lost_core = LOST_CORE
         """Seconds after which a fruitless spin while staying awake counts as having lost the
         core (:meth:`stay_awake` then ends)."""
@@ -191,6 +193,33 @@ class RingReceiver:
         return self._consumer.ready() or (
             ring is not None and bool(ring.awaiting) and ring.producer.passed(ring.awaiting[0][0])
         )
+
+    def take_answers_until(self, settled: Callable[[], bool]) -> None:
+        """Poll for the answers the peer's consumption gives (see :meth:`answers_from`) and
+        hand them on, until ``settled()`` or ``SPIN`` passed: called by a task awaiting one of
+        them, so that the answer is taken there and then, not by a turn the loop runs later.
+        The ring counts as awake meanwhile (the peer does not wake us for the answer) and a
+        turn is queued after (which puts it to sleep if nothing else comes).  Not for a peer
+        in this process (it cannot answer while we poll)."""
+        ring = self._answering
+        if ring is None or self._closed or self._delivering:
+            return
+        self._consumer.awake()
+        deadline = time.perf_counter() + SPIN
+        try:
+            while not settled():
+                if ring.awaiting and ring.producer.passed(ring.awaiting[0][0]):
+                    self._answers(ring)
+                elif time.perf_counter() < deadline:
+                    os.sched_yield()
+                else:
+                    break
+        except ProtocolError as exc:  # the peer broke its tail
+            self.close()
+            self._fault(exc)
+            return
+        self.taken_by_awaiters += settled()
+        self.kick()
 
     def _readable(self) -> None:
         try:

@@ -36,7 +36,7 @@ class Transfer:
     ``await transfer`` returns when the receiver acknowledged, or raises the failure.
     """
 
-    __slots__ = ("_callbacks", "_error", "_on_cancel", "_state", "_waiters", "id", "nbytes", "peer_id")
+    __slots__ = ("_answer_here", "_callbacks", "_error", "_on_cancel", "_state", "_waiters", "id", "nbytes", "peer_id")
 
     def __init__(
         self,
@@ -55,6 +55,7 @@ class Transfer:
         shield, whose extra future costs a loop hop per transfer)."""
         self._callbacks: list[Callable[[Transfer], None]] = []
         self._on_cancel = on_cancel
+        self._answer_here: Callable[[Transfer], bool] | None = None
 
     def __repr__(self) -> str:
         return f"<Transfer {self.id} to {self.peer_id!r} {self._state.value} {self.nbytes} B>"
@@ -85,10 +86,20 @@ class Transfer:
             self._callbacks.append(callback)
 
     def __await__(self) -> Generator[Any, None, None]:
-        """Wait until settled; raise its error, if any.  Always gives the loop a turn, even
-        for a transfer settled before it was awaited (a read from a mapped peer, an empty
-        write): a caller awaiting such transfers in a loop would otherwise never let the loop
-        run (no heartbeats, no timers)."""
+        """Wait until settled; raise its error, if any.
+
+        Gives the loop a turn, even for a transfer settled before it was awaited (a read from
+        a mapped peer, an empty write): a caller awaiting such transfers in a loop would
+        otherwise never let the loop run (no heartbeats, no timers).  The one exception: a
+        transfer whose answer the transport took in this task (:meth:`answer_in_awaiter`)
+        goes on at once while the transport's :class:`~.turns.TurnBudget` allows it."""
+        answer_here = self._answer_here
+        if answer_here is not None:
+            self._answer_here = None
+            if answer_here(self):  # settled here, and the loop had a turn not long ago
+                if self._error is not None:
+                    raise self._error
+                return
         if self._state not in _SETTLED:  # (done(), inline: once per await)
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -101,6 +112,15 @@ class Transfer:
             yield  # a bare yield: the task comes back on the loop's next turn (as asyncio.sleep(0))
         if self._error is not None:
             raise self._error
+
+    def answer_in_awaiter(self, answer_here: Callable[[Transfer], bool]) -> None:
+        """Let the first ``await`` take the answer in its own task: while pending it calls
+        ``answer_here(self)`` once, which may settle the transfer (the transport polls for the
+        answer briefly there, sparing the loop turn that would take it and the one that would
+        resume the awaiter) and returns True if the awaiter may go on without a loop turn.
+        Else (or if it did not settle) the await waits as any other."""
+        if self._state not in _SETTLED:
+            self._answer_here = answer_here
 
     # -- driving (the transport) -------------------------------------------------------------
     def cancel(self, mode: CancelMode = "immediate") -> bool:
@@ -139,6 +159,7 @@ class Transfer:
 
     def _settle(self, error: OmniAsyncError | None) -> None:
         self._error = error
+        self._answer_here = None  # (it holds the transport)
         self._state = State.DONE if error is None else State.FAILED
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
