@@ -933,6 +933,30 @@ def test_a_pair_survives_a_caller_that_only_writes_for_twice_the_heartbeat_timeo
     assert result.done == sorted(ids)
 
 
+def test_a_caller_polling_one_block_writes_takes_their_answers_itself_and_keeps_the_pair(make_transport, child):
+    """One-block writes to a peer in another process, each polled for without sleeping, for
+    twice the heartbeat timeout: ``poll()`` takes the answer (the peer's consumption of the
+    write's ring record) in the caller's thread instead of running the loop for it, and the
+    loop still runs once a lease, so heartbeats flow, nothing fails and every block lands."""
+    mem = block_memory(seed=41)
+    t = make_transport(mem, "inplace-p")
+    c = child("inplace-c")
+    pair_with_child(t, c)
+    start, writes = time.monotonic(), 0
+    while time.monotonic() - start < 2 * TIMINGS["heartbeat_timeout"]:
+        block = writes % NUM_BLOCKS
+        transfer_id = t.write_blocks("child", [block], [NUM_BLOCKS - 1 - block])
+        assert transfer_id is not None, t.last_error
+        result = poll_until(t, {transfer_id})
+        assert result.done == [transfer_id], t.failure_reason(transfer_id)
+        writes += 1
+    assert writes >= NUM_BLOCKS
+    (link,) = t.agent.transport.links.values()
+    assert link.ring_in.taken_in_place > 0
+    got = np.frombuffer(c.call("read", list(range(NUM_BLOCKS))), dtype=np.uint8).reshape(NUM_BLOCKS, BLOCK_LEN)
+    assert np.array_equal(got[::-1], mem)
+
+
 @pytest.mark.usefixtures("sigint_raises")
 def test_a_sigint_during_a_write_started_in_the_callers_thread_waits_for_the_write(make_transport, monkeypatch):
     """A write started in the caller's (main) thread runs the transport's code there: a SIGINT

@@ -259,6 +259,25 @@ async def test_an_awaiter_that_took_the_answer_itself_goes_on_without_a_loop_tur
     assert calls == [1, 2, 3, 4]
 
 
+def test_a_poller_takes_the_answer_through_the_same_hook_once():
+    """``take_answer`` (a caller that polls): calls the hook once, returns whether settled;
+    without a hook it only says whether settled."""
+    calls: list[int] = []
+
+    def hook(transfer: Transfer) -> bool:
+        calls.append(transfer.id)
+        if len(calls) == 1:
+            transfer.set_done()
+        return False  # (a poller ignores whether it may skip a loop turn)
+
+    answered, unanswered = Transfer(1, "p", 1), Transfer(2, "p", 1)
+    answered.answer_in_awaiter(hook)
+    assert answered.take_answer() is True and answered.take_answer() is True and calls == [1]
+    unanswered.answer_in_awaiter(hook)
+    assert unanswered.take_answer() is False and unanswered.take_answer() is False and calls == [1, 2]
+    assert Transfer(3, "p", 1).take_answer() is False
+
+
 async def test_cancelling_a_transfer_immediately_or_after_the_data_plane_lets_go():
     asked = []
 

@@ -521,7 +521,7 @@ async def test_awaited_one_block_writes_take_their_answers_in_the_awaiter_and_th
     finally:
         counter.cancel()
     assert turns >= writes // (TurnBudget.LIMIT + 1)
-    assert agent.transport.links["rx"].ring_in.taken_by_awaiters > 0
+    assert agent.transport.links["rx"].ring_in.taken_in_place > 0
     assert np.array_equal(peer_rows(peer, kind, path)[(np.arange(NUM_BLOCKS) * 7) % NUM_BLOCKS], agent.region.array)
 
 

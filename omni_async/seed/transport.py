@@ -151,6 +151,17 @@ class _Engine:
                 (done if ok else failed).append(transfer_id)
         return PollResult(done, failed)
 
+    def answer_here(self, core_id: str | None) -> bool:
+        """Holding the loop in this thread: take the answer of the oldest write in flight (to
+        agent-level peer ``core_id``, if given) here, if its transport offers that
+        (:meth:`~omni_async.transport.transfer.Transfer.take_answer`: a same-host write the
+        peer answers by consuming its ring record, polled for briefly).  True if it settled
+        (then :meth:`on_transfer_done` has run): no loop run is needed for it."""
+        for transfer in self.handles.values():
+            if core_id is None or transfer.peer_id == core_id:
+                return transfer.take_answer()
+        return False
+
     def moving(self, peer_id: str | None) -> bool:
         """Whether a transfer (of ``peer_id``, if given) is in flight and not settled yet."""
         if peer_id is None:
@@ -495,10 +506,13 @@ class SyncDataTransport(Facade):
         """Ids settled since the last poll (of ``peer_id`` only, if given).
 
         Each id is reported once, then leaves the inflight set.  If nothing settled since the
-        last poll while transfers are in flight, runs the transport's loop in the caller's
-        thread until the next settlement, at most :data:`~omni_async.seed.portal.NEWS_WAIT_S`
-        (blocked in the loop's poll meanwhile, the GIL released); where this thread cannot run
-        the loop, waits for it on a condition that the loop's thread signals.
+        last poll while transfers are in flight, takes the oldest write's answer in the
+        caller's thread where the transport offers that (a same-host write the peer answers
+        by consuming its ring record: polled for at most 50 µs), else runs the transport's
+        loop in the caller's thread until the next settlement, at most
+        :data:`~omni_async.seed.portal.NEWS_WAIT_S` (blocked in the loop's poll meanwhile, the
+        GIL released); where this thread cannot run the loop, waits for it on a condition
+        that the loop's thread signals.
         """
         engine, portal = self._engine, self._portal
         with portal.lock:
@@ -506,9 +520,15 @@ class SyncDataTransport(Facade):
             result = engine.collect(peer_id)
             if result.done or result.failed or not engine.moving(peer_id):
                 return result
+            core_id = None if peer_id is None else engine.peers.get(peer_id)
         with portal.driving(NEWS_WAIT_S) as driving:
             if driving:
-                portal.turn(NEWS_WAIT_S)
+                with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
+                    answered = engine.answer_here(core_id)
+                if answered:  # taken here: no loop run for it (one if none ran for a lease)
+                    portal.catch_up()
+                else:
+                    portal.turn(NEWS_WAIT_S)
             with portal.lock:
                 if not driving:
                     portal.wait_for_news()

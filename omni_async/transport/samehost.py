@@ -147,8 +147,9 @@ class RingReceiver:
         """Turns run so far (for idle-CPU tests)."""
         self.wakeups = 0
         """Pipe wake-ups so far (for idle-CPU tests)."""
-        self.taken_by_awaiters = 0
-        """Awaiters that took their answer themselves (:meth:`take_answers_until`), for tests."""
+        self.taken_in_place = 0
+        """Answers taken by whoever waits for them, not by a turn (:meth:`take_answers_until`:
+        an awaiting task, a polling facade), for tests."""
         self.lost_core = LOST_CORE
         """Seconds after which a fruitless spin while staying awake counts as having lost the
         core (:meth:`stay_awake` then ends)."""
@@ -196,8 +197,9 @@ class RingReceiver:
 
     def take_answers_until(self, settled: Callable[[], bool]) -> None:
         """Poll for the answers the peer's consumption gives (see :meth:`answers_from`) and
-        hand them on, until ``settled()`` or ``SPIN`` passed: called by a task awaiting one of
-        them, so that the answer is taken there and then, not by a turn the loop runs later.
+        hand them on, until ``settled()`` or ``SPIN`` passed: called by whoever waits for one
+        of them (a task awaiting it, a facade polling in the loop's stead), so that the answer
+        is taken there and then, not by a turn the loop runs later.
         The ring counts as awake meanwhile (the peer does not wake us for the answer) and a
         turn is queued after (which puts it to sleep if nothing else comes).  Not for a peer
         in this process (it cannot answer while we poll)."""
@@ -218,7 +220,7 @@ class RingReceiver:
             self.close()
             self._fault(exc)
             return
-        self.taken_by_awaiters += settled()
+        self.taken_in_place += settled()
         self.kick()
 
     def _readable(self) -> None:

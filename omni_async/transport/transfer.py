@@ -113,6 +113,17 @@ class Transfer:
         if self._error is not None:
             raise self._error
 
+    def take_answer(self) -> bool:
+        """For a caller that polls instead of awaiting (the sync facade, holding the loop in
+        its own thread): let the transport take this transfer's answer here and now, as the
+        first ``await`` would (:meth:`answer_in_awaiter`; at most once, and only where the
+        transport offered it); True if the transfer is settled."""
+        answer_here = self._answer_here
+        if answer_here is not None:
+            self._answer_here = None
+            answer_here(self)
+        return self._state in _SETTLED
+
     def answer_in_awaiter(self, answer_here: Callable[[Transfer], bool]) -> None:
         """Let the first ``await`` take the answer in its own task: while pending it calls
         ``answer_here(self)`` once, which may settle the transfer (the transport polls for the
