@@ -334,8 +334,9 @@ async def test_drain_takes_every_record_even_when_a_batch_also_took_answers():
 
 async def test_writes_consumed_before_the_peers_ring_broke_settle_as_done(make_agent):
     """The peer took a write (its tail passed the record), then closed its ring before we
-    looked: dropping its ring settles that write as done (its answer came) and fails only
-    the one it never took (a review found both failed with PeerLost)."""
+    looked: dropping its ring settles that write as done (its answer came; a review found it
+    failed with PeerLost).  The one it never took is failed by the peer's removal, not by the
+    closed pipe (the peer may be leaving in order: it is still listed)."""
     a, b = await pair(make_agent)
     la, lb = a.transport.links["b"], b.transport.links["a"]
     first = a.write_blocks("b", [3], [4])
@@ -345,7 +346,9 @@ async def test_writes_consumed_before_the_peers_ring_broke_settle_as_done(make_a
     second = a.write_blocks("b", [5], [6])  # our wake-up fails: the ring is dropped
     assert la.ring_out is None and b.stats()["received.blocks.ok"] == 1
     await asyncio.wait_for(first, 5)
-    with pytest.raises(PeerLost, match="closed its ring"):
+    assert not second.done() and "b" in a.peers
+    assert await a.remove_peer("b")
+    with pytest.raises(PeerLost, match="removed"):
         await asyncio.wait_for(second, 5)
 
 
@@ -813,6 +816,74 @@ async def test_a_ring_found_broken_while_parked_messages_go_out_drops_the_peer_a
     assert "b" not in a.peers and not link.parked
     results = await asyncio.wait_for(asyncio.gather(*transfers, return_exceptions=True), 10)
     assert all(isinstance(result, PeerLost | ProtocolError) for result in results), results
+
+
+def sleeps_unwoken(producer) -> bool:
+    """Whether the consumer of ``producer``'s ring sleeps (its epoch is odd: ring.py's layout)
+    and this producer has not woken it for that sleep yet (so its next put wakes it)."""
+    epoch = int(producer._ctl[16])
+    return bool(epoch & 1) and epoch != producer._woken
+
+
+async def until_ring_sleeps(producer) -> None:
+    async with asyncio.timeout(5):
+        while not sleeps_unwoken(producer):
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("what", ["write", "message"])
+async def test_a_put_into_the_ring_of_a_peer_leaving_in_order_does_not_cut_its_leave_short(make_agent, what):
+    """b removes a in order: it closes its ring (its pipe too) at once and says goodbye over the
+    lane.  A write (or message) a puts into that ring meanwhile finds the wake-up pipe closed:
+    a stops using the ring but does not drop b for it, so b's leave drains in order (well
+    under its drain timeout), a hears b is closing, and the transfer fails with b's removal."""
+    a, b = await pair(make_agent)
+    b.set_message_sink(lambda *_: None)
+    await asyncio.wait_for(a.write_blocks("b", [1], [1]), 5)
+    await until_ring_sleeps(a.transport.links["b"].ring_out.producer)
+    events = []
+    a.add_peer_listener(lambda event: events.append((event.kind, str(event.error))))
+    assert await b.remove_peer("a")
+    (drain,) = b.transport._drains
+    transfer = a.write_blocks("b", [2], [2]) if what == "write" else a.send_message("b", "k", b"", [np.ones(9, np.uint8)])
+    started = time.monotonic()
+    await asyncio.wait_for(asyncio.shield(drain), 5)
+    assert time.monotonic() - started < 0.5, "b's leave waited out its drain timeout"
+    with pytest.raises(PeerLost):
+        await asyncio.wait_for(transfer, 5)
+    assert "b" not in a.peers and events and "closing" in events[-1][1], events
+
+
+async def test_every_message_the_peer_put_before_it_left_in_order_is_delivered(make_agent):
+    """b sends 40 messages, then removes a in order (closing its ring, where a's
+    acknowledgements go): a's acknowledgements then find b's ring closed mid-batch, and a
+    still takes every record b put before it left."""
+    a, b = await pair(make_agent)
+    got = []
+    a.set_message_sink(lambda peer, key, meta, frames: got.append(key))
+    await asyncio.wait_for(a.write_blocks("b", [1], [1]), 5)
+    await until_ring_sleeps(a.transport.links["b"].ring_out.producer)
+    for i in range(40):
+        b.send_message("a", f"k{i}", b"", [np.ones(64, np.uint8)])
+    assert await b.remove_peer("a")
+    async with asyncio.timeout(5):
+        while "b" in a.peers or len(got) < 40:
+            await asyncio.sleep(0.01)
+    assert got == [f"k{i}" for i in range(40)]
+
+
+async def test_a_write_the_peer_consumed_settles_done_even_if_an_earlier_ones_callback_removes_the_peer(make_agent):
+    """Two writes consumed in one go: the first's done-callback removes the peer (as a write
+    that finds the ring broken would).  The second was consumed too: its removal settles it
+    done, not lost."""
+    a, b = await pair(make_agent)
+    first, second = a.write_blocks("b", [3], [4]), a.write_blocks("b", [5], [6])
+    first.add_done_callback(lambda _transfer: a.transport.remove_peer("b", PeerLost("removed by a callback")))
+    b.transport.links["a"].ring_in.drain()  # b takes and counts both
+    a.transport.links["b"].ring_in.run()  # a's turn takes both answers
+    await asyncio.wait_for(first, 5)
+    await asyncio.wait_for(second, 5)
+    assert b.stats()["received.blocks.ok"] == 2
 
 
 @pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye", "pooled", "pool overrun"])

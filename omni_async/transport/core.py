@@ -241,7 +241,7 @@ class TransportCore(ABC):
         if link.ring_in is not None:
             link.ring_in.stop_answers()
         try:
-            consumed = ring.consumed()
+            consumed = list(ring.consumed())
         except RingError:  # the peer broke its tail: nothing it says counts
             consumed = []
         awaiting = [transfer_id for _end, transfer_id in ring.awaiting]
@@ -251,15 +251,14 @@ class TransportCore(ABC):
             self._settle(link, transfer_id, None)  # (a removed peer's outbox forgot it: settled here)
         return awaiting
 
-    def _ring_out_broke(self, link: PeerLink, broken: OSError) -> None:
-        """The peer closed its ring (a wake-up failed): it exited, or dropped us.  Drop it
-        first, as :meth:`_lose` does (its removal fails what awaited the ring's consumption,
-        and whoever is told so finds the peer gone); for a link removed already, stop using the
-        ring and fail those here."""
-        lost = PeerLost(f"peer {link.peer.peer_id!r} closed its ring: {broken}")
-        self._drop(link, lost)
-        for transfer_id in self._drop_ring_out(link):
-            self._settle(link, transfer_id, lost)
+    def _ring_out_broke(self, link: PeerLink, _broken: OSError) -> None:
+        """The peer closed its ring (a wake-up failed): it exited, or it is leaving (an orderly
+        removal closes the ring before its goodbye comes over the lane).  Stop using the ring;
+        what the peer consumed settles as done.  What still awaits its consumption never gets
+        it: those fail with the peer's removal (its goodbye, or its loss seen by the control
+        plane), or at their deadline, so whoever is told the peer is lost finds it gone; the
+        peer is not dropped here (an orderly leave must not be cut short)."""
+        self._drop_ring_out(link)
 
     def _drop_rings(self, link: PeerLink) -> None:
         self._drop_ring_out(link)

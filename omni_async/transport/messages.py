@@ -177,9 +177,9 @@ class Messages(TransportCore):
             self._drop(link, exc)  # first: its removal fails what it was sent (this one too, if it was current)
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             return "sent"
-        if ring.broken is not None:  # its wake-up failed: the peer is dropped, which fails this message
+        if ring.broken is not None:  # its wake-up failed: the peer closed the ring (exited, or is leaving)
             self._ring_out_broke(link, ring.broken)
-            return "sent" if sent or self._links.get(link.peer.peer_id) is not link else "lane"
+            return "sent" if sent else "lane"  # (one put before: its answer comes with the peer's removal)
         return "sent" if sent else "full"
 
     @staticmethod

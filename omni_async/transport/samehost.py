@@ -39,7 +39,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from ..errors import ProtocolError
@@ -216,12 +216,12 @@ class RingReceiver:
                     os.sched_yield()
                 else:
                     break
+            self.taken_in_place += settled()
         except ProtocolError as exc:  # the peer broke its tail
             self.close()
             self._fault(exc)
-            return
-        self.taken_in_place += settled()
-        self.kick()
+        finally:
+            self.kick()  # (the ring counts as awake: a turn must come, whatever a callback raised)
 
     def _readable(self) -> None:
         try:
@@ -369,13 +369,14 @@ class RingReceiver:
         """Hand on the answers the peer's consumption of ``ring`` gave (see :meth:`answers_from`)."""
         answered = self._answered
         assert answered is not None
-        keys = ring.consumed()
-        for key in keys:
+        count = 0
+        for key in ring.consumed():
+            count += 1
             try:
                 answered(key)
             except Exception:  # a bug settling one fails that answer, not the ring
                 log.exception("handling an answer of a ring's consumption failed")
-        return len(keys)
+        return count
 
     def _expects(self) -> bool:
         """Whether an answer is expected (the peer works for us: its answer is near)."""
@@ -460,16 +461,18 @@ class RingSender:
             self.wake()
         return True
 
-    def consumed(self) -> list[int]:
-        """The keys of the awaited records the peer consumed since the last call, in order
-        (they leave :attr:`awaiting`).  Raises :class:`~.ring.RingError` for a tail the peer
-        broke."""
+    def consumed(self) -> Iterator[int]:
+        """The keys of the awaited records the peer consumed (by its tail now), in order, each
+        leaving :attr:`awaiting` only as it is handed out: so what handling one key does (a
+        done-callback that drops the peer, whose removal takes the rest with a call of its own)
+        finds the others still there.  Raises :class:`~.ring.RingError` (at the call) for a
+        tail the peer broke."""
+        return self._handed_out(self.producer.consumed())
+
+    def _handed_out(self, tail: int) -> Iterator[int]:
         awaiting = self.awaiting
-        tail = self.producer.consumed()
-        keys = []
         while awaiting and awaiting[0][0] <= tail:
-            keys.append(awaiting.popleft()[1])
-        return keys
+            yield awaiting.popleft()[1]
 
     def wake(self) -> None:
         """Write a wake-up byte into the peer's pipe: its receiver runs a turn.  Sets
