@@ -886,6 +886,34 @@ async def test_a_write_the_peer_consumed_settles_done_even_if_an_earlier_ones_ca
     assert b.stats()["received.blocks.ok"] == 2
 
 
+@pytest.mark.parametrize("how", ["closed pipe", "orderly removal"])
+async def test_an_awaiter_taking_answers_stops_when_a_callback_drops_the_ring(make_agent, how):
+    """The task awaiting ``second`` takes answers itself; the answer to ``first`` runs a
+    done-callback that drops the ring (a write whose wake-up finds the peer's pipe closed, or
+    an orderly removal): the awaiter stops polling that ring (its mapping is released) and
+    waits as any other: pending until the peer's removal, or failed by it."""
+    a, b = await pair(make_agent)
+    la, lb = a.transport.links["b"], b.transport.links["a"]
+    la.ring_out.in_this_process = False  # as for a peer in another process: the awaiter takes answers
+    first = a.write_blocks("b", [3], [4])
+    lb.ring_in.drain()  # b consumes first
+    second = a.write_blocks("b", [5], [6])  # put; b never takes it
+    if how == "closed pipe":
+        lb.ring_in._consumer.awake()
+        lb.ring_in._consumer.sleep()  # b sleeps in a new epoch (our next put wakes it) ...
+        lb.ring_in.close()  # ... and closes its ring
+        first.add_done_callback(lambda _transfer: a.write_blocks("b", [7], [8]))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await second
+        assert first.done() and la.ring_out is None and not second.done()
+    else:
+        first.add_done_callback(lambda _transfer: a.transport.remove_peer("b", orderly=True))
+        with pytest.raises(PeerLost):
+            async with asyncio.timeout(10):
+                await second
+
+
 @pytest.mark.parametrize("garbage", ["head", "kind", "frames", "undecodable", "goodbye", "pooled", "pool overrun"])
 async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, garbage):
     """A peer that writes garbage into our ring: a typed error, the peer dropped, this

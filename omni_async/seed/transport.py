@@ -523,8 +523,10 @@ class SyncDataTransport(Facade):
             core_id = None if peer_id is None else engine.peers.get(peer_id)
         with portal.driving(NEWS_WAIT_S) as driving:
             if driving:
-                with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
-                    answered = engine.answer_here(core_id)
+                answered = False
+                if peer_id is None or core_id is not None:  # (a name removed meanwhile: no write of it)
+                    with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
+                        answered = engine.answer_here(core_id)
                 if answered:  # taken here: no loop run for it (one if none ran for a lease)
                     portal.catch_up()
                 else:

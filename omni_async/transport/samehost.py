@@ -209,7 +209,7 @@ class RingReceiver:
         self._consumer.awake()
         deadline = time.perf_counter() + SPIN
         try:
-            while not settled():
+            while not settled() and self._answering is ring:  # (a callback may drop the ring)
                 if ring.awaiting and ring.producer.passed(ring.awaiting[0][0]):
                     self._answers(ring)
                 elif time.perf_counter() < deadline:
