@@ -184,7 +184,7 @@ class TransportCore(ABC):
         if sent and link.sent and link.ring_in is not None:
             link.ring_in.kick()  # spin for the answer rather than sleep
         if ring.broken is not None:
-            self._ring_out_broke(link, ring.broken)
+            self._ring_out_broke(link)
         return sent
 
     @property
@@ -251,7 +251,7 @@ class TransportCore(ABC):
             self._settle(link, transfer_id, None)  # (a removed peer's outbox forgot it: settled here)
         return awaiting
 
-    def _ring_out_broke(self, link: PeerLink, _broken: OSError) -> None:
+    def _ring_out_broke(self, link: PeerLink) -> None:
         """The peer closed its ring (a wake-up failed): it exited, or it is leaving (an orderly
         removal closes the ring before its goodbye comes over the lane).  Stop using the ring;
         what the peer consumed settles as done.  What still awaits its consumption never gets
