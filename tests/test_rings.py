@@ -880,7 +880,7 @@ async def test_a_write_the_peer_consumed_settles_done_even_if_an_earlier_ones_ca
     done, not lost."""
     a, b = await pair(make_agent)
     first, second = a.write_blocks("b", [3], [4]), a.write_blocks("b", [5], [6])
-    first.add_done_callback(lambda _transfer: a.transport.remove_peer("b", PeerLost("removed by a callback")))
+    first.add_done_callback(lambda _transfer: a.transport.remove_peer("b", PeerLost("removed by a callback"), orderly=True))
     b.transport.links["a"].ring_in.drain()  # b takes and counts both
     a.transport.links["b"].ring_in.run()  # a's turn takes both answers
     await asyncio.wait_for(first, 5)
