@@ -183,8 +183,8 @@ class TransportCore(ABC):
         sent = ring.send(KIND_HEADER, (data,), tail_of)
         if sent and link.sent and link.ring_in is not None:
             link.ring_in.kick()  # spin for the answer rather than sleep
-        if ring.broken is not None:
-            self._ring_out_broke(link)
+        if ring.broken is not None:  # the peer closed its ring
+            self._drop_ring_out(link)
         return sent
 
     @property
@@ -230,35 +230,28 @@ class TransportCore(ABC):
         if direct is not None:
             direct.close()
 
-    def _drop_ring_out(self, link: PeerLink) -> list[int]:
-        """Stop writing into the peer's ring and close our side of it.  The writes whose
-        records the peer consumed by now settle as done (that was their answer: see
-        :meth:`.RingReceiver.answers_from`); returns the transfers still awaiting it, which
-        never comes now (the caller fails them, or the peer's removal does)."""
+    def _drop_ring_out(self, link: PeerLink) -> None:
+        """Stop writing into the peer's ring and close our side of it: on the peer's removal,
+        or once a wake-up found its pipe closed (it exited, or it is leaving: an orderly
+        removal closes the ring before its goodbye comes over the lane, so the peer is not
+        dropped for it).  The writes whose records the peer consumed by now settle as done
+        (that was their answer: see :meth:`.RingReceiver.answers_from`); those still awaiting
+        it never get it, and fail with the peer's removal (its goodbye, or its loss seen by
+        the control plane) or at their deadline, so whoever is told the peer is lost finds
+        it gone."""
         ring, link.ring_out = link.ring_out, None
         if ring is None:
-            return []
+            return
         if link.ring_in is not None:
             link.ring_in.stop_answers()
         try:
             consumed = list(ring.consumed())
         except RingError:  # the peer broke its tail: nothing it says counts
             consumed = []
-        awaiting = [transfer_id for _end, transfer_id in ring.awaiting]
         ring.close()
         for transfer_id in consumed:
             self._answered(link, transfer_id, "", "")
             self._settle(link, transfer_id, None)  # (a removed peer's outbox forgot it: settled here)
-        return awaiting
-
-    def _ring_out_broke(self, link: PeerLink) -> None:
-        """The peer closed its ring (a wake-up failed): it exited, or it is leaving (an orderly
-        removal closes the ring before its goodbye comes over the lane).  Stop using the ring;
-        what the peer consumed settles as done.  What still awaits its consumption never gets
-        it: those fail with the peer's removal (its goodbye, or its loss seen by the control
-        plane), or at their deadline, so whoever is told the peer is lost finds it gone; the
-        peer is not dropped here (an orderly leave must not be cut short)."""
-        self._drop_ring_out(link)
 
     def _drop_rings(self, link: PeerLink) -> None:
         self._drop_ring_out(link)

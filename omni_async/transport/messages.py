@@ -178,7 +178,7 @@ class Messages(TransportCore):
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             return "sent"
         if ring.broken is not None:  # its wake-up failed: the peer closed the ring (exited, or is leaving)
-            self._ring_out_broke(link)
+            self._drop_ring_out(link)
             return "sent" if sent else "lane"  # (one put before: its answer comes with the peer's removal)
         return "sent" if sent else "full"
 

@@ -190,7 +190,7 @@ class RingReceiver:
 
     def _ready(self) -> bool:
         """Whether a record, or an answer without one, is there to take."""
-        ring = self._answering
+        ring = self._answering  # (RingSender.answered_yet inlined: a call less per turn on row a's path)
         return self._consumer.ready() or (
             ring is not None and bool(ring.awaiting) and ring.producer.passed(ring.awaiting[0][0])
         )
@@ -210,7 +210,7 @@ class RingReceiver:
         deadline = time.perf_counter() + SPIN
         try:
             while not settled() and self._answering is ring:  # (a callback may drop the ring)
-                if ring.awaiting and ring.producer.passed(ring.awaiting[0][0]):
+                if ring.answered_yet():
                     self._answers(ring)
                 elif time.perf_counter() < deadline:
                     os.sched_yield()
@@ -344,7 +344,7 @@ class RingReceiver:
                     return delivered, 0
                 commit()  # its bytes are free now: before any answer that lets the peer refill
             ring = self._answering
-            if (
+            if (  # (RingSender.answered_yet inlined: a call less per batch on row a's path)
                 broken is None
                 and ring is not None
                 and ring.awaiting
@@ -460,6 +460,12 @@ class RingSender:
         if producer.wants_wake():
             self.wake()
         return True
+
+    def answered_yet(self) -> bool:
+        """Whether the peer consumed the oldest awaited record (one load of its tail,
+        unchecked: :meth:`consumed` checks it before it is acted on)."""
+        awaiting = self.awaiting
+        return bool(awaiting) and self.producer.passed(awaiting[0][0])
 
     def consumed(self) -> Iterator[int]:
         """The keys of the awaited records the peer consumed (by its tail now), in order, each
