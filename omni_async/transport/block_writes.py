@@ -39,6 +39,7 @@ from .limits import check_notice, check_notice_runs, split_runs
 from .link import PeerLink
 from .ring import RingError
 from .rma import puts_of_runs
+from .samehost import KIND_HEADER
 from .transfer import Transfer
 
 log = logging.getLogger(__name__)
@@ -392,7 +393,7 @@ class BlockWrites(TransportCore):
         seq = link.outbox.take_seq(0)
         intent = _write_request(transfer_id, seq, runs, tag, placed=True, intent=tag is None, part=part, parts=parts)
         try:
-            in_ring = link.direct is not None and self._ring_put(link, encode_record(intent))
+            in_ring = link.direct is not None and self._ring_put(link, KIND_HEADER, (encode_record(intent),))
         except RingError as exc:
             self._drop(link, exc)  # first: its removal fails what it was sent (this one too, if it was current)
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))

@@ -62,7 +62,7 @@ from .link import MessageRetract, MessageSink, PeerLink, Sent
 from .notices import NoticeQueue, sink_error
 from .pool import ReceivePool
 from .protocol import GiveUp
-from .ring import RingError
+from .ring import Part, RingError
 from .rma import Registration
 from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED
 from .sink_tasks import SinkTasks
@@ -163,7 +163,7 @@ class TransportCore(ABC):
         True if it went into the ring."""
         body = encode_record(header)
         try:
-            if self._ring_put(link, body, tail_of):
+            if self._ring_put(link, KIND_HEADER, (body,), tail_of):
                 return True
         except RingError as exc:
             self._drop(link, exc)
@@ -171,19 +171,22 @@ class TransportCore(ABC):
         link.lane.send(with_length(body), HEADER_TAG, done)
         return False
 
-    def _ring_put(self, link: PeerLink, data: bytes, tail_of: int | None = None) -> bool:
-        """Put one header (:func:`~omni_async.wire.encode_record`) into the peer's ring, where
-        the peer sees it on return; False if there is no ring, no room, or it broke (send it
-        another way).  ``tail_of``: the transfer the peer's consumption of this record answers
-        (its ``tail`` write request: see :meth:`.RingReceiver.answers_from`).  Raises
-        :class:`RingError` if the peer corrupted the ring."""
+    def _ring_put(self, link: PeerLink, kind: int, parts: Sequence[Part], tail_of: int | None = None) -> bool:
+        """Put one record (``parts`` concatenated: a header from
+        :func:`~omni_async.wire.encode_record`, or a chunk message) into the peer's ring, where
+        the peer sees it on return, and spin for the answer rather than sleep; False if there
+        is no ring, no room, or it broke (send it another way: a ring found broken is dropped
+        here, see :meth:`_drop_ring_out`).  ``tail_of``: the transfer the peer's consumption
+        of this record answers (its ``tail`` write request: see
+        :meth:`.RingReceiver.answers_from`).  Raises :class:`RingError` if the peer corrupted
+        the ring."""
         ring = link.ring_out
         if ring is None:
             return False
-        sent = ring.send(KIND_HEADER, (data,), tail_of)
+        sent = ring.send(kind, parts, tail_of)
         if sent and link.sent and link.ring_in is not None:
-            link.ring_in.kick()  # spin for the answer rather than sleep
-        if ring.broken is not None:  # the peer closed its ring
+            link.ring_in.kick()
+        if ring.broken is not None:  # its wake-up failed: the peer closed the ring (exited, or is leaving)
             self._drop_ring_out(link)
         return sent
 

@@ -37,9 +37,9 @@ from ..wire import (
 from .core import ACK_BATCH, TransportCore, carry_out
 from .limits import check_message
 from .link import Frames, Message, PeerLink
-from .pool import ReceivePool, frame_slots
+from .pool import PoolWriter, ReceivePool, frame_slots
 from .ring import RingError
-from .samehost import KIND_MESSAGE, KIND_POOLED, RingSender
+from .samehost import KIND_MESSAGE, KIND_POOLED
 from .transfer import Transfer
 
 log = logging.getLogger(__name__)
@@ -165,35 +165,29 @@ class Messages(TransportCore):
         data = encode_header(MessageHeader(transfer_id, link.outbox.take_seq(0), key, meta, sizes))
         nbytes = sum(sizes)
         try:
-            if nbytes >= POOL_MIN and ring.pool is not None and self._pooled(ring, data, sizes, payload):
+            if nbytes >= POOL_MIN and ring.pool is not None and self._pooled(link, ring.pool, data, sizes, payload):
                 sent = True
-            elif len(data) + nbytes > ring.max_payload:
+            elif link.ring_out is not ring or len(data) + nbytes > ring.max_payload:
                 return "lane"
             else:
-                sent = ring.send(KIND_MESSAGE, [data, *payload])  # flat uint8 frames: no memoryview each
-            if sent and link.ring_in is not None:
-                link.ring_in.kick()  # spin for the answer rather than sleep
+                sent = self._ring_put(link, KIND_MESSAGE, [data, *payload])  # flat uint8 frames: no memoryview each
         except RingError as exc:
             self._drop(link, exc)  # first: its removal fails what it was sent (this one too, if it was current)
             self._settle(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} broke the ring: {exc}"))
             return "sent"
-        if ring.broken is not None:  # its wake-up failed: the peer closed the ring (exited, or is leaving)
-            self._drop_ring_out(link)
+        if link.ring_out is not ring:  # the put found the ring closed and dropped it
             return "sent" if sent else "lane"  # (one put before: its answer comes with the peer's removal)
         return "sent" if sent else "full"
 
-    @staticmethod
-    def _pooled(ring: RingSender, data: bytes, sizes: list[int], payload: Frames) -> bool:
+    def _pooled(self, link: PeerLink, pool: PoolWriter, data: bytes, sizes: list[int], payload: Frames) -> bool:
         """Copy the frames into the peer's shared pool and put the header into its ring; False
         (nothing announced) if either has no room now.  Raises :class:`RingError`."""
-        pool = ring.pool
-        assert pool is not None
         slots, total = frame_slots(sizes)
         start = pool.reserve(total)
         if start is None:
             return False
         pool.write(start, payload, sizes, slots)
-        if not ring.send(KIND_POOLED, (data,)):
+        if not self._ring_put(link, KIND_POOLED, (data,)):
             return False  # the piece stays free: the next reserve hands out the same one
         pool.commit()
         return True
