@@ -115,11 +115,13 @@ async def test_a_write_with_a_notice_of_too_many_runs_fails_locally(make_agent):
 
 
 async def test_queue_full_holds_releases_in_order_and_drops_nothing():
-    queue = NoticeQueue(2, SinkTasks())
+    handed = []
+    queue = NoticeQueue(2, SinkTasks(), lambda: handed.append(len(queue)))
     released = []
     for i in range(5):
         queue.offer(Notice("p", (i,), b"%d" % i), lambda i=i: released.append(i))
     assert released == [0, 1] and len(queue) == 2 and queue.waiting == 3
+    assert handed == [1, 2]  # each notice queued woke the readers (a hand-off); those waiting did not
     got = []
     async for notice in queue:
         got.append(notice.remote_idxs[0])

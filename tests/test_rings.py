@@ -515,8 +515,9 @@ before one block took a short path, ``BlockWrites._place_row``, 117 after, 119 o
 acknowledgement was the receiver's consumption of the record: in one process the sender never
 spins, so it is woken either way; 122 since session 17: ``_tell_placed``, and the consumed
 answers handed out one by one, a generator's two resumptions, so that a removal a
-done-callback starts still settles the others done; a few calls of headroom for a heartbeat
-or timer that lands among the 100 writes of a loaded run)."""
+done-callback starts still settles the others done; 123 since session 18: in one process
+the awaiter is woken by a ring turn, a hand-off (``Handoffs.handed``); a few calls of headroom
+for a heartbeat or timer that lands among the 100 writes of a loaded run)."""
 
 
 async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(make_agent):
@@ -1255,6 +1256,74 @@ async def test_a_receiver_told_to_stay_awake_takes_a_record_without_a_wake_up_th
     finally:
         sender.close()
         receiver.close()
+
+
+async def test_a_ring_turn_does_not_spin_while_the_work_it_handed_on_runs(monkeypatch):
+    """A record whose delivery hands work to the application (a sink that wakes a chain of
+    tasks: ``asyncio.wait_for`` over a queue is three loop turns) is not followed by a spin
+    that holds that chain back: the lingering ring polls on the next loop turns instead, and
+    spins again only after its ``Handoffs.QUIET`` refusals (was: a 50 µs spin per hop)."""
+    from omni_async.transport.turns import Handoffs
+
+    loop = asyncio.get_running_loop()
+    events: list[str] = []
+    real_spin = samehost.spin
+
+    def spin(poll, seconds):  # fault-injection wrapper around the real spin: records each one
+        events.append("spin")
+        return real_spin(poll, seconds)
+
+    monkeypatch.setattr(samehost, "spin", spin)
+    handoffs = Handoffs()
+
+    def hop(n: int) -> None:
+        events.append(f"hop {n}")
+        if n < 3:
+            loop.call_soon(hop, n + 1)
+
+    def deliver(kind, payload) -> None:
+        handoffs.handed()  # as the transport does before it calls a sink
+        loop.call_soon(hop, 1)
+
+    receiver = samehost.RingReceiver(loop, deliver, lambda exc: None, lambda: False, capacity=SMALL_RING,
+                                     handoffs=handoffs)
+    receiver.lost_core = float("inf")
+    receiver.linger = 0.5  # it would poll (spin) after this record
+    sender = samehost.RingSender(receiver.offer())
+    try:
+        await asyncio.sleep(0.02)
+        events.clear()
+        assert sender.send(samehost.KIND_HEADER, [b"notice"])
+        await _until(lambda: "hop 3" in events and events.count("spin") >= 1)
+        assert events.index("hop 3") < events.index("spin"), events  # the whole chain ran first
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_settling_an_awaited_transfer_or_delivering_a_message_is_a_hand_off(make_agent, monkeypatch):
+    """The transport counts as hand-offs (see ``Handoffs``) what wakes the application: a
+    transfer settled while awaited, a message given to the sink; not a transfer nobody awaits."""
+    from omni_async.transport.turns import Handoffs
+
+    a, b = await pair(make_agent)
+    owner = {id(a.transport._handoffs): "a", id(b.transport._handoffs): "b"}
+    handed = {"a": 0, "b": 0}
+    real = Handoffs.handed
+
+    def counted(self: Handoffs) -> None:  # a wrapper around the real method: counts per transport
+        handed[owner[id(self)]] += 1
+        real(self)
+
+    monkeypatch.setattr(Handoffs, "handed", counted)
+    b.set_message_sink(lambda *_message: None)
+    unawaited = a.write_blocks("b", [1, 2], [3, 4])
+    await _until(unawaited.done)
+    assert unawaited.error() is None and handed["a"] == 0  # settled with nobody waiting: no hand-off
+    await asyncio.wait_for(a.write_blocks("b", [1, 2], [3, 4]), 5)
+    assert handed["a"] == 1  # the awaiter was woken
+    await asyncio.wait_for(a.send_message("b", "k", b"", [np.ones(8, np.uint8)]), 5)
+    assert handed["b"] == 1 and handed["a"] == 2  # b's sink got the message, a's awaiter its answer
 
 
 async def test_a_receiver_that_loses_its_core_while_staying_awake_sleeps_and_is_woken():

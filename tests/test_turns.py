@@ -2,7 +2,7 @@
 
 import asyncio
 
-from omni_async.transport.turns import SpinGate, TurnBudget
+from omni_async.transport.turns import Handoffs, SpinGate, TurnBudget
 
 
 def test_spin_gate_retries_every_retry_th_chance_after_misses_and_reopens_on_a_hit():
@@ -37,3 +37,15 @@ async def test_a_turn_budget_lets_limit_awaits_skip_the_loop_then_asks_for_a_tur
     assert [budget.may_skip() for _ in range(5)] == [True, True, True, False, False]
     await asyncio.sleep(0)
     assert [budget.may_skip() for _ in range(4)] == [True, True, True, False]
+
+
+def test_handoffs_refuse_the_next_quiet_spins_after_each_hand_off_and_none_before():
+    handoffs = Handoffs()
+    assert handoffs.may_spin()  # nothing handed on yet
+    handoffs.handed()
+    assert [handoffs.may_spin() for _ in range(Handoffs.QUIET + 2)] == [False] * Handoffs.QUIET + [True, True]
+    handoffs.handed()
+    assert not handoffs.may_spin()
+    handoffs.handed()  # a new hand-off starts the count again
+    assert [handoffs.may_spin() for _ in range(Handoffs.QUIET)] == [False] * Handoffs.QUIET
+    assert handoffs.may_spin()

@@ -67,7 +67,7 @@ from .rma import Registration
 from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED
 from .sink_tasks import SinkTasks
 from .transfer import CancelMode, Transfer
-from .turns import TurnBudget
+from .turns import Handoffs, TurnBudget
 from .vetting import shared_vetter
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,9 @@ class TransportCore(ABC):
         self.message_retract: MessageRetract | None = None
         self.sink_tasks = SinkTasks()
         """The tasks of async notice and message sinks (ended by :meth:`close`)."""
-        self.notices = NoticeQueue(config.notice_queue, self.sink_tasks)
+        self._handoffs = Handoffs()
+        """Work handed to the application lately (a spin would hold it back: see :class:`~.turns.Handoffs`)."""
+        self.notices = NoticeQueue(config.notice_queue, self.sink_tasks, self._handoffs.handed)
         """Notices of incoming writes, for the application (see :mod:`.notices`)."""
         self._fault = fault
         self._loop = asyncio.get_running_loop()
@@ -308,10 +310,8 @@ class TransportCore(ABC):
         sent = self._end(link, transfer_id, error)
         if sent is None:
             return
-        if error is None:
-            sent.transfer.set_done()
-        else:
-            sent.transfer.set_failed(error)
+        if sent.transfer.set_done() if error is None else sent.transfer.set_failed(error):
+            self._handoffs.handed()  # (its awaiters run on the coming loop turns)
 
     def _end(
         self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None, mode: CancelMode = "immediate"

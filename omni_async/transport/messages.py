@@ -272,6 +272,7 @@ class Messages(TransportCore):
         if sink is None:
             self._answer(link, transfer_id, "messages", nbytes, TransferFailed("the receiver takes no messages"))
             return
+        self._handoffs.handed()  # (what the sink wakes runs on the coming loop turns)
         try:
             pending = sink(link.peer.peer_id, hdr.key, hdr.meta, frames)
         except OmniAsyncError as exc:

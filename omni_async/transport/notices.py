@@ -182,12 +182,14 @@ class NoticeQueue:
     and their senders' transfers stay unsettled.  With a sink set (:attr:`sink`) new notices go
     to it instead, and are released when it is done with them (an async sink's task runs in
     ``sink_tasks``).  Nothing is ever dropped:
-    what waits is bounded by the senders' windows.
+    what waits is bounded by the senders' windows.  ``handed()`` is called whenever a notice
+    goes to the sink or wakes the readers (the transport's :meth:`.Handoffs.handed`).
     """
 
-    def __init__(self, capacity: int, sink_tasks: SinkTasks) -> None:
+    def __init__(self, capacity: int, sink_tasks: SinkTasks, handed: Callable[[], None]) -> None:
         self.capacity = capacity
         self.sink: NoticeSink | None = None
+        self._handed = handed
         self._sink_tasks = sink_tasks  # what an async sink returned runs there
         self._queue: deque[Notice] = deque()
         self._waiting: deque[tuple[Notice, Callable[[], None]]] = deque()
@@ -204,10 +206,12 @@ class NoticeQueue:
 
     def offer(self, notice: Notice, release: Callable[[], None]) -> None:
         if self.sink is not None:
+            self._handed()
             self._to_sink(self.sink, notice, release)
         elif len(self._queue) < self.capacity and not self._waiting:
             self._queue.append(notice)
             release()
+            self._handed()
             self._changed.set()
         else:
             self._waiting.append((notice, release))

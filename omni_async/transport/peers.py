@@ -179,6 +179,7 @@ class Peers(TransportCore):
                 partial(awaits_answer, link),
                 batch_done=partial(self._flush_acks, link),
                 pool_bytes=shared_pool_bytes(self.config.shared_pool_mib),
+                handoffs=self._handoffs,
             )
         except OSError as exc:
             log.warning("no same-host ring for %s: %s", link.peer.peer_id, exc)

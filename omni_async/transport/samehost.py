@@ -48,7 +48,7 @@ from ..wire import MAX_HEADER_BYTES, RingOffer
 from .pool import PoolWriter, SharedPool, is_pool_size
 from .ring import NO_BOUND, Consumer, Part, Producer, RingError, max_payload, ring_size
 from .shared import Refused, map_memfd, open_pipe
-from .turns import NextTurn, SpinGate, spin
+from .turns import Handoffs, NextTurn, SpinGate, spin
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,8 @@ class RingReceiver:
     breaking the protocol ends early (for the records before it), unless the ring was closed.
     ``pool_bytes`` (:func:`~.pool.shared_pool_bytes`; 0: none) adds a shared pool after the
     ring, offered with it: the peer copies large chunk frames into it (:data:`KIND_POOLED`).
+    ``handoffs``: the transport's :class:`~.turns.Handoffs`, which a turn asks before it spins
+    (a turn it refuses polls once and comes back on the next loop turn).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class RingReceiver:
         capacity: int = RING_CAPACITY,
         batch_done: Callable[[], None] | None = None,
         pool_bytes: int = 0,
+        handoffs: Handoffs | None = None,
     ) -> None:
         if not is_ring_capacity(capacity):
             raise ValueError(f"a ring of {capacity} bytes (not a power of two whose records carry every header)")
@@ -125,6 +128,7 @@ class RingReceiver:
         self._batch_done = batch_done
         self._fault = fault
         self._expecting = expecting
+        self._handoffs = handoffs if handoffs is not None else Handoffs()
         self._segment = SharedSegment(ring_size(capacity) + pool_bytes)
         shared = self._segment.array.data
         self._consumer = Consumer(shared[: ring_size(capacity)])
@@ -267,7 +271,9 @@ class RingReceiver:
                 started = time.perf_counter()
                 polling = started < self._awake_until or started < self._linger_until
                 if polling or self._expects():
-                    if spin(self._ready, SPIN):
+                    if not self._handoffs.may_spin():
+                        polling = True  # what the last records woke runs first: poll on the next turn
+                    elif spin(self._ready, SPIN):
                         delivered = sum(self._take_batch())
                     elif polling and time.perf_counter() - started > self.lost_core:
                         # Another process had this core meanwhile: polling costs it more than

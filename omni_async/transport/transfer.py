@@ -154,21 +154,27 @@ class Transfer:
         self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
         return False
 
-    def set_done(self) -> None:
-        """Settle successfully (a draining transfer settles as cancelled)."""
+    def set_done(self) -> bool:
+        """Settle successfully (a draining transfer settles as cancelled).  True if that woke
+        an awaiter or ran a done-callback (see :meth:`_settle`)."""
         if self._state is State.DRAINING:
-            self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
-        elif self._state not in _SETTLED:
-            self._settle(None)
+            return self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
+        if self._state not in _SETTLED:
+            return self._settle(None)
+        return False
 
-    def set_failed(self, error: OmniAsyncError) -> None:
-        """Settle with ``error`` (a draining transfer settles as cancelled)."""
+    def set_failed(self, error: OmniAsyncError) -> bool:
+        """Settle with ``error`` (a draining transfer settles as cancelled).  True if that
+        woke an awaiter or ran a done-callback."""
         if self._state is State.DRAINING:
             error = TransferCancelled(f"transfer {self.id} cancelled")
         if not self.done():
-            self._settle(error)
+            return self._settle(error)
+        return False
 
-    def _settle(self, error: OmniAsyncError | None) -> None:
+    def _settle(self, error: OmniAsyncError | None) -> bool:
+        """Settle; True if an awaiter was woken (its task runs on a coming loop turn) or a
+        done-callback ran."""
         self._error = error
         self._answer_here = None  # (it holds the transport)
         self._state = State.DONE if error is None else State.FAILED
@@ -179,3 +185,4 @@ class Transfer:
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             callback(self)
+        return bool(waiters or callbacks)
