@@ -912,6 +912,40 @@ def test_a_burst_of_writes_without_polls_does_not_stop_the_loop(make_transport, 
     assert None not in ids and poll_until(a, ids).done == sorted(ids)
 
 
+def test_a_write_handed_to_the_loop_is_posted_before_a_later_one_made_in_the_callers_thread(make_transport, monkeypatch):
+    """A write handed to the loop (its thread held the loop, as it does for a moment between its
+    runs) and the next one, made in the caller's thread once it got the loop: the first reaches
+    the transport first, so two writes to one row land in call order and are reported in it
+    (the second was posted first: the row kept the first write's bytes, reported second; a
+    burst of writes to one row read [..., 327, 326, ...] once in a fresh clone's suite)."""
+    monkeypatch.setattr(portal_module, "LEASE_S", 1.0)  # the loop's thread keeps away meanwhile
+    mem_a, mem_b = block_memory(seed=38), block_memory()
+    a = make_transport(mem_a, "order-w-a")
+    b = make_transport(mem_b, "order-w-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done  # a turn: the lease is the caller's
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_loop() -> None:  # another caller's thread holds the loop and does not run it
+        with a._portal.driving(5.0) as driving:
+            assert driving
+            held.set()
+            release.wait(5)
+
+    holder = threading.Thread(target=hold_the_loop)
+    holder.start()
+    try:
+        assert held.wait(5)
+        first = a.write_blocks("B", [2], [5])  # the loop is held elsewhere: handed over, not run
+    finally:
+        release.set()
+        holder.join(5)
+    second = a.write_blocks("B", [3], [5])  # within the switch interval: takes the loop, writes here
+    result = poll_until(a, {first, second})
+    assert result.done == [first, second] and result.failed == []
+    assert np.array_equal(mem_b[5], mem_a[3])  # the later write's bytes: written last
+
+
 def test_a_pair_survives_a_caller_that_only_writes_for_twice_the_heartbeat_timeout(make_transport, child):
     """A caller that polls once, then writes without a poll for 2.5× the heartbeat timeout
     (one write per ~0.5 ms of Python): its writes keep the loop moving (a pass of it once per

@@ -24,8 +24,8 @@ import ctypes
 import itertools
 import logging
 import socket
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Any, Final, NamedTuple
@@ -108,6 +108,7 @@ class _Engine:
         self.sizes: dict[str, int] = {}  # locked: agent-level peer id -> its num_blocks
         self.ids = itertools.count(1)  # locked: the facade's transfer ids
         self.handles: dict[int, Transfer] = {}  # loop thread only: id -> core transfer, until settled
+        self.unposted: deque[Callable[[], None]] = deque()  # locked: writes made, not posted yet, in call order
         self.agent: Agent | None = None
         self.region: BlockRegion | None = None
         self.portal = Portal(f"omni-sync-{config.peer_id}", "SyncDataTransport", use_uvloop=use_uvloop)
@@ -136,6 +137,7 @@ class _Engine:
         with self.portal.lock:
             self.inflight.clear()
             self.settled.clear()
+            self.unposted.clear()
             self.peers.clear()
             self.sizes.clear()
             self.live.clear()
@@ -178,6 +180,18 @@ class _Engine:
                 self.live.add(event.peer_id)
             else:
                 self.live.discard(event.peer_id)
+
+    def post_writes(self) -> None:
+        """Post the writes made so far (:attr:`unposted`), in the order they were made.  Run by
+        whoever holds the loop: its thread (a write handed over) or a caller that holds it (a
+        write made there, after any made before it: one handed to the loop's thread may still
+        wait in the loop's queue when the caller takes the loop back)."""
+        while True:
+            with self.portal.lock:
+                if not self.unposted:
+                    return
+                write = self.unposted.popleft()
+            write()
 
     def submit(self, transfer_id: int, core_id: str, runs: list[Run], blocks: int, remote_blocks: int) -> None:
         """Post write ``transfer_id`` (planned and put in flight by the caller: ``runs`` of
@@ -457,7 +471,8 @@ class SyncDataTransport(Facade):
         its acknowledgement taken by a later :meth:`poll`; and if no call turned the loop for a
         lease (writes without polls), one pass of it runs here too, so heartbeats keep moving.
         Otherwise (the loop's thread has the loop, or this thread runs an event loop of its
-        own) the write is handed to the loop's thread, without waiting.
+        own) the write is handed to the loop's thread, without waiting.  Either way writes reach
+        the transport in call order (two writes to one row land in that order).
         Returns a transfer id (this facade's own, unique for this transport's life) to find in
         :meth:`poll`; or ``None`` if ``peer_id`` is not registered (or its connection is gone)
         or the indices are invalid (see :attr:`last_error`).  A write the agent refuses once on
@@ -486,16 +501,18 @@ class SyncDataTransport(Facade):
                     transfer_id = next(engine.ids)
                     engine.inflight[transfer_id] = peer_id
                     write = partial(engine.submit, transfer_id, core_id, runs, len(local), remote_blocks)
+                    engine.unposted.append(write)
                     if not driving:
                         try:
-                            portal.post(write)
+                            portal.post(engine.post_writes)
                         except ClosedError:
+                            engine.unposted.pop()
                             del engine.inflight[transfer_id]
                             raise
                         return transfer_id
             if refused is None:
                 with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
-                    write()  # the loop's next run (the next poll's, or its thread's) carries on
+                    engine.post_writes()  # (ours, after any handed over before it) the loop's next run carries on
                 portal.catch_up()  # (no poll for a while: this thread keeps the loop moving)
                 return transfer_id
         self._last_error = refused
