@@ -802,6 +802,35 @@ async def test_messages_wait_in_order_for_room_in_a_full_ring(make_agent):
     assert tags == [] and not a.transport.links["b"].parked
 
 
+async def test_parked_messages_meeting_a_closed_ring_settle_every_transfer_and_go_out_once(make_agent):
+    """Messages parked behind a full ring and pool, a write the peer answered by consuming its
+    record, then the peer closes its ring (as an orderly leave does first): the put that finds
+    the pipe closed drops the ring, which settles the consumed write, whose settling unparks
+    again inside the unparking under way.  Every transfer still settles (done, or failed at
+    its deadline) and no message is delivered twice (the nested call sent every parked message
+    over the lane, the one just put into the ring too; the outer one then failed on the
+    emptied queue: the consumed write never settled, not even at its deadline)."""
+    a, b = await pair(make_agent, shared_pool_mib=8, transfer_timeout=1.0)
+    got: list[str] = []
+    b.set_message_sink(lambda _peer, key, _meta, _frames: got.append(key))
+    la, lb = a.transport.links["b"], b.transport.links["a"]
+    write = a.write_blocks("b", [3], [4])
+    size = samehost.RING_CAPACITY // 8
+    count = 3 * (samehost.RING_CAPACITY + lb.ring_in.pool.capacity) // size
+    frame = np.ones(size, np.uint8)
+    transfers = [write] + [a.send_message("b", f"k{i}", b"", [frame]) for i in range(count)]
+    assert la.parked  # some wait for room
+    lb.ring_in.drain()
+    lb.ring_in.run()
+    lb.ring_in.close()
+    async with asyncio.timeout(10):  # (the deadlines are 1 s)
+        while not all(t.done() for t in transfers):
+            await asyncio.sleep(0.01)
+    assert write.error() is None  # its record was consumed: done
+    assert len(got) == len(set(got)), "a message was delivered twice"
+    assert a.transport.in_flight() == []
+
+
 async def test_a_ring_found_broken_while_parked_messages_go_out_drops_the_peer_and_fails_them_all(make_agent):
     """Messages wait for room in a full ring; when the first of them is put, the peer's tail
     is found broken: the peer is dropped (which fails every message, those waiting included),

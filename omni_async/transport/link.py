@@ -129,6 +129,9 @@ class PeerLink:
     """The memfd that answers the peer's ProofRequest, held while the link lives; -1: none."""
     parked: deque[Message] = field(default_factory=deque)
     """Chunk messages waiting, in order, for room in the peer's ring (see ``_may_park``)."""
+    unparking: bool = False
+    """True while :meth:`~.messages.Messages._unpark` posts the parked messages (it is not
+    re-entered: see there)."""
     remote_keys: list[int] | None = None
     """The peer's remote keys (one per region, unpacked on the lane, which owns them) once it
     offered them and they passed vetting: block writes without a notice go as puts (see

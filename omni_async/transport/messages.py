@@ -136,7 +136,20 @@ class Messages(TransportCore):
 
     def _unpark(self, link: PeerLink) -> None:
         """Post the messages waiting for room in the ring, in order, as far as it has room;
-        through the lane once nothing else is awaited (or the ring is gone)."""
+        through the lane once nothing else is awaited (or the ring is gone).  Not re-entered: a
+        put that finds the ring closed drops it, which settles the writes the peer consumed,
+        and their settling unparks; the call under way goes on with the rest, in order (a
+        nested call sent them all over the lane, the one just put into the ring too, and the
+        outer call then failed on the emptied queue, leaving the write being settled unsettled)."""
+        if link.unparking:
+            return
+        link.unparking = True
+        try:
+            self._post_parked(link)
+        finally:
+            link.unparking = False
+
+    def _post_parked(self, link: PeerLink) -> None:
         parked = link.parked
         while parked:
             message = parked[0]
