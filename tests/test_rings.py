@@ -1330,6 +1330,37 @@ async def test_a_ring_turn_does_not_spin_while_the_work_it_handed_on_runs(monkey
         receiver.close()
 
 
+async def test_rings_sleep_after_traffic_that_handed_work_on(make_agent):
+    """Hand-offs refuse spins only for a few turns: after messages to an async sink, transfers
+    awaited and with done-callbacks (each a hand-off), both rings, polling as they would for a
+    peer in another process, stop turning once the traffic ends; nothing runs while idle."""
+    a, b = await pair(make_agent)
+    for agent, peer in ((a, "b"), (b, "a")):
+        link = agent.transport.links[peer]
+        link.ring_out.in_this_process = False  # poll as for a peer in another process
+        link.ring_in.linger = samehost.LINGER
+    rings = [a.transport.links["b"].ring_in, b.transport.links["a"].ring_in]
+    woken: asyncio.Queue[int] = asyncio.Queue()
+
+    async def sink(*_message) -> None:
+        await woken.put(1)
+
+    b.set_message_sink(sink)
+    called: list[object] = []
+    for i in range(50):
+        message = a.send_message("b", "k", b"", [np.ones(10 if i % 2 else 70000, np.uint8)])
+        message.add_done_callback(called.append)
+        await asyncio.wait_for(message, 5)
+        await asyncio.wait_for(a.write_blocks("b", [1, 2], [3, 4]), 5)
+    assert len(called) == 50 and woken.qsize() == 50
+    await asyncio.sleep(0.1)
+    turns = [ring.turns for ring in rings]
+    cpu = time.process_time()
+    await asyncio.sleep(0.5)
+    assert [ring.turns for ring in rings] == turns  # asleep
+    assert time.process_time() - cpu < 0.05
+
+
 async def test_settling_an_awaited_transfer_or_delivering_a_message_is_a_hand_off(make_agent, monkeypatch):
     """The transport counts as hand-offs (see ``Handoffs``) what wakes the application: a
     transfer settled while awaited, a message given to the sink; not a transfer nobody awaits."""
