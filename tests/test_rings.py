@@ -831,6 +831,37 @@ async def test_parked_messages_meeting_a_closed_ring_settle_every_transfer_and_g
     assert a.transport.in_flight() == []
 
 
+async def test_a_message_sent_while_parked_ones_are_posted_goes_after_them(make_agent):
+    """The ring holds a write's record and k0; k1 and k2 wait (parked, no shared pool).  The
+    peer consumes both records and closes its ring; k0's answer posts the parked ones: k1's
+    put finds the ring closed, dropping it settles the consumed write, whose done-callback
+    sends "late" (inside that posting).  "late" goes after k2, in call order (it went straight
+    over the lane, ahead of k2, when only parked messages were left in flight: a review)."""
+    from omni_async.wire import MessageHeader, encode_header
+
+    a, b = await pair(make_agent, shared_pool_mib=0, transfer_timeout=1.0)
+    got: list[str] = []
+    b.set_message_sink(lambda _peer, key, _meta, _frames: got.append(key))
+    la, lb = a.transport.links["b"], b.transport.links["a"]
+    assert la.ring_out.pool is None
+    write = a.write_blocks("b", [3], [4])
+    header = len(encode_header(MessageHeader(2, 1, "k0", b"", [1 << 22])))
+    frame = np.ones(la.ring_out.max_payload - header, np.uint8)  # one message fills half the ring
+    transfers = [write] + [a.send_message("b", f"k{i}", b"", [frame]) for i in range(3)]
+    assert [m[1] for m in la.parked] == ["k1", "k2"]
+    late = []
+    write.add_done_callback(lambda _t: late.append(a.send_message("b", "late", b"", [frame])))
+    lb.ring_in.drain()
+    lb.ring_in.run()
+    lb.ring_in.close()
+    async with asyncio.timeout(10):  # (the deadlines are 1 s)
+        while not all(t.done() for t in transfers) or not late or not late[0].done():
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert write.error() is None and late[0].error() is None
+    assert got[-1] == "late" and "k2" in got, got  # (k1 went into the closed ring: it fails at its deadline)
+
+
 async def test_a_ring_found_broken_while_parked_messages_go_out_drops_the_peer_and_fails_them_all(make_agent):
     """Messages wait for room in a full ring; when the first of them is put, the peer's tail
     is found broken: the peer is dropped (which fails every message, those waiting included),

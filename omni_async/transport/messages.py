@@ -111,8 +111,11 @@ class Messages(TransportCore):
             if outcome == "full" and self._may_park(link, 1):
                 link.parked.append(message)
                 return
-        elif link.parked and self._may_park(link, len(link.parked) + 1):
-            link.parked.append(message)  # behind the messages waiting for room in the ring
+        elif link.parked and (link.unparking or self._may_park(link, len(link.parked) + 1)):
+            # Behind the messages waiting for room in the ring; always while they are being
+            # posted (a done-callback run by a settle inside that posting sends this): the
+            # posting under way takes it in turn.
+            link.parked.append(message)
             return
         self._lane_message(link, message)
 
