@@ -256,7 +256,8 @@ class RingReceiver:
         after the callbacks they woke.  With none: while told to stay awake
         (:meth:`stay_awake`) or lingering after the peer's last record (:attr:`linger`,
         gated), spin (at most ``SPIN``) and come back; else spin once if an answer is
-        expected, and sleep."""
+        expected, and sleep.  A spin the transport's ``handoffs`` refuses (work it just handed
+        to the application waits on the loop) is a poll of the ring and a turn queued instead."""
         if self._closed:
             return
         self.turns += 1
