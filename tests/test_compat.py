@@ -9,6 +9,7 @@ cannot acknowledge, which makes "still in flight" deterministic without sleeping
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import hashlib
@@ -912,38 +913,123 @@ def test_a_burst_of_writes_without_polls_does_not_stop_the_loop(make_transport, 
     assert None not in ids and poll_until(a, ids).done == sorted(ids)
 
 
-def test_a_write_handed_to_the_loop_is_posted_before_a_later_one_made_in_the_callers_thread(make_transport, monkeypatch):
-    """A write handed to the loop (its thread held the loop, as it does for a moment between its
-    runs) and the next one, made in the caller's thread once it got the loop: the first reaches
-    the transport first, so two writes to one row land in call order and are reported in it
-    (the second was posted first: the row kept the first write's bytes, reported second; a
-    burst of writes to one row read [..., 327, 326, ...] once in a fresh clone's suite)."""
-    monkeypatch.setattr(portal_module, "LEASE_S", 1.0)  # the loop's thread keeps away meanwhile
-    mem_a, mem_b = block_memory(seed=38), block_memory()
-    a = make_transport(mem_a, "order-w-a")
-    b = make_transport(mem_b, "order-w-b")
-    a.add_remote_peer("B", *peer_args(b))
-    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done  # a turn: the lease is the caller's
+@contextlib.contextmanager
+def loop_held_elsewhere(t: SyncDataTransport) -> Iterator[None]:
+    """For the ``with`` block, another caller's thread holds ``t``'s loop without running it (as
+    a caller between its calls, or the loop's thread between its runs): a write made meanwhile
+    is handed over and waits."""
     held, release = threading.Event(), threading.Event()
 
-    def hold_the_loop() -> None:  # another caller's thread holds the loop and does not run it
-        with a._portal.driving(5.0) as driving:
+    def hold() -> None:
+        with t._portal.driving(5.0) as driving:
             assert driving
             held.set()
             release.wait(5)
 
-    holder = threading.Thread(target=hold_the_loop)
+    holder = threading.Thread(target=hold)
     holder.start()
     try:
         assert held.wait(5)
-        first = a.write_blocks("B", [2], [5])  # the loop is held elsewhere: handed over, not run
+        yield
     finally:
         release.set()
         holder.join(5)
+
+
+def ordered_pair(make_transport: Callable[..., SyncDataTransport], monkeypatch: pytest.MonkeyPatch,
+                 tag: str) -> tuple[SyncDataTransport, np.ndarray, np.ndarray]:
+    """A facade writing to another, after one write and its poll (the lease is the caller's;
+    ``LEASE_S`` 1 s, so the loop's thread keeps away meanwhile)."""
+    monkeypatch.setattr(portal_module, "LEASE_S", 1.0)
+    mem_a, mem_b = block_memory(seed=38), block_memory()
+    a = make_transport(mem_a, f"{tag}-a")
+    b = make_transport(mem_b, f"{tag}-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    return a, mem_a, mem_b
+
+
+def test_a_write_handed_to_the_loop_is_posted_before_a_later_one_made_in_the_callers_thread(make_transport, monkeypatch):
+    """A write handed to the loop (another thread held it) and the next one, made in the
+    caller's thread once it got the loop: the first reaches the transport first, so two writes
+    to one row land in call order and are reported in it (the second was posted first: the row
+    kept the first write's bytes, reported second; a burst of writes to one row read [..., 327,
+    326, ...] once in a fresh clone's suite)."""
+    a, mem_a, mem_b = ordered_pair(make_transport, monkeypatch, "order-w")
+    with loop_held_elsewhere(a):
+        first = a.write_blocks("B", [2], [5])  # handed over, not run
     second = a.write_blocks("B", [3], [5])  # within the switch interval: takes the loop, writes here
     result = poll_until(a, {first, second})
     assert result.done == [first, second] and result.failed == []
     assert np.array_equal(mem_b[5], mem_a[3])  # the later write's bytes: written last
+
+
+def test_a_write_handed_over_and_cancelled_or_closed_before_it_was_posted_leaves_nothing(make_transport, monkeypatch):
+    """A write still waiting to be posted: ``cancel(immediate)`` forgets it (never reported),
+    ``cancel(wait)`` and ``close()`` from another thread end once the loop is free, and nothing
+    stays queued."""
+    a, _mem_a, _mem_b = ordered_pair(make_transport, monkeypatch, "unposted")
+    with loop_held_elsewhere(a):
+        first = a.write_blocks("B", [2], [5])
+        assert a.cancel([first], "immediate") == []
+    later = a.write_blocks("B", [3], [6])
+    reported = poll_until(a, {later})
+    time.sleep(0.2)
+    afterwards = a.poll()
+    assert first not in reported.done + reported.failed + afterwards.done + afterwards.failed
+    assert first not in a._engine.inflight
+    waited: list[list[int]] = []
+    with loop_held_elsewhere(a):
+        second = a.write_blocks("B", [2], [5])
+        canceller = threading.Thread(target=lambda: waited.append(a.cancel([second], "wait")))
+        canceller.start()
+        time.sleep(0.05)
+    canceller.join(10)
+    assert waited, "cancel(wait) of a write not posted yet did not return"
+    if waited[0]:
+        poll_until(a, set(waited[0]))
+    closed = threading.Event()
+    with loop_held_elsewhere(a):
+        a.write_blocks("B", [2], [5])
+        threading.Thread(target=lambda: (a.close(), closed.set()), daemon=True).start()
+        time.sleep(0.05)
+    assert closed.wait(15), "close() with a write not posted yet did not return"
+    assert not a._engine.unposted
+
+
+def test_writes_from_a_thread_that_hands_them_over_and_one_that_drives_keep_call_order(make_transport):
+    """Two threads write one row, 300 times each, in an order a lock fixes: one runs its own
+    event loop (its writes are always handed to the loop's thread), the other holds the loop
+    when it can (its writes start in its thread).  The row ends with the last write's bytes and
+    ``poll()`` reports every id in call order (failed every run before the writes queued)."""
+    mem_a, mem_b = block_memory(seed=1), block_memory()
+    a = make_transport(mem_a, "two-order-a")
+    b = make_transport(mem_b, "two-order-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    order: list[int | None] = []
+    lock = threading.Lock()
+
+    def from_a_loop() -> None:
+        async def write_all() -> None:
+            for _ in range(300):
+                with lock:
+                    order.append(a.write_blocks("B", [1], [7]))
+                await asyncio.sleep(0)
+
+        asyncio.run(write_all())
+
+    other = threading.Thread(target=from_a_loop)
+    other.start()
+    for _ in range(300):
+        with lock:
+            order.append(a.write_blocks("B", [2], [7]))
+    other.join(30)
+    order.append(a.write_blocks("B", [3], [7]))
+    assert None not in order
+    result = poll_until(a, {i for i in order if i is not None})
+    assert result.failed == [] and result.done == order
+    assert np.array_equal(mem_b[7], mem_a[3])
 
 
 def test_a_pair_survives_a_caller_that_only_writes_for_twice_the_heartbeat_timeout(make_transport, child):
