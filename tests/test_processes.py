@@ -5,6 +5,8 @@ The peer process maps its region from a file, so this process can check every by
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import numpy as np
@@ -86,7 +88,13 @@ async def test_receiver_killed_mid_transfer_fails_awaiters_in_time(make_agent, s
     everything = list(range(NUM_BLOCKS))
     await asyncio.wait_for(agent.write_blocks("rx", everything, everything), 10)
 
-    transfers = [agent.write_blocks("rx", everything, everything) for _ in range(128)]  # 512 MiB queued
+    # The receiver is stopped while 512 MiB of writes are posted (else, on a loaded host, it may
+    # take all of them before the kill: a fresh clone's suite once saw every write done), then
+    # runs for a moment, the bytes flowing, and is killed mid-transfer.
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    transfers = [agent.write_blocks("rx", everything, everything) for _ in range(128)]
+    os.kill(peer.proc.pid, signal.SIGCONT)
+    await asyncio.sleep(0.02)  # (512 MiB take far longer than this, at any speed loopback has)
     peer.kill()
     killed_at = time.monotonic()
     await assert_lost_in_time(agent, transfers, killed_at)
