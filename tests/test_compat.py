@@ -46,6 +46,8 @@ from omni_async.compat import PollResult, SyncDataTransport, decode_agent_metada
 from omni_async.seed import portal as portal_module
 from omni_async.transport.vetting import shared_vetter_fds
 
+from .helpers.ctrl_c import ctrl_c_storm
+
 pytestmark = pytest.mark.timeout(60)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, here and in spawned children
@@ -1030,6 +1032,83 @@ def test_writes_from_a_thread_that_hands_them_over_and_one_that_drives_keep_call
     result = poll_until(a, {i for i in order if i is not None})
     assert result.failed == [] and result.done == order
     assert np.array_equal(mem_b[7], mem_a[3])
+
+
+def test_a_ctrl_c_storm_on_a_writing_and_polling_caller_leaves_the_transport_whole(make_transport):
+    """SIGINTs landing anywhere in a caller's writes and polls (caught: the program goes on):
+    after each, the loop is free or its thread's and no write waits unposted; afterwards a
+    write still completes.  (One landing right after the drive lock was taken left the loop
+    held by nobody, writes never ran and close() could not finish; one between queueing a
+    write and posting it left it unposted; found by a review.)"""
+    a = make_transport(block_memory(seed=3), "ctrl-c-a")
+    b = make_transport(block_memory(), "ctrl-c-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    portal, engine, main = a._portal, a._engine, threading.main_thread()
+
+    def write_and_poll() -> None:
+        a.write_blocks("B", [1], [1])
+        a.poll()
+
+    def leaked() -> object | None:
+        deadline = time.monotonic() + 1.0
+        while portal._driver is main or (portal._drive.locked() and portal._driver is not portal.thread):
+            if time.monotonic() > deadline:
+                return "the loop held by nobody", portal._driver
+            time.sleep(0.01)
+        time.sleep(0.05)  # nobody calls: the loop's thread posts what was handed over
+        with portal.lock:
+            return ("writes never posted", list(engine.unposted)) if engine.unposted else None
+
+    interrupts, left = ctrl_c_storm(write_and_poll, 3.0, leaked)
+    assert left is None, f"after {interrupts} interrupts: {left}"
+    assert interrupts >= 10  # (the storm reached the calls)
+    after = a.write_blocks("B", [2], [2])
+    assert after in poll_until(a, {after}).done
+
+
+def test_a_call_handed_to_the_loop_after_its_last_pass_raises_closed_error(make_transport, monkeypatch):
+    """``cancel(ids, "wait")`` racing ``close()`` from another thread, its hand-off landing after
+    the loop's last pass (before the loop closes): ClosedError at once (the callback was queued
+    in a loop that never ran again, and the caller got DeadlineExceeded after 5 s; found by a
+    review)."""
+    a = make_transport(block_memory(seed=3), "late-call-a")
+    b = make_transport(block_memory(), "late-call-b")
+    a.add_remote_peer("B", *peer_args(b))
+    assert poll_until(a, {a.write_blocks("B", [0], [0])}).done
+    write = a.write_blocks("B", [1], [1])  # in flight, or settled and not polled: known to cancel
+    portal, loop = a._portal, a._portal.loop
+    at_close = threading.Event()
+    real_close, real_call = loop.close, portal.call
+
+    def slow_close() -> None:  # the loop's thread, after its last pass of the loop
+        at_close.set()
+        time.sleep(0.3)
+        real_close()
+
+    def late_call(*args: Any, **kwargs: Any) -> Any:  # the canceller, preempted before its hand-off
+        at_close.wait(10)
+        return real_call(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "close", slow_close)
+    monkeypatch.setattr(portal, "call", late_call)
+    outcome: list[object] = []
+
+    def cancel() -> None:
+        started = time.monotonic()
+        try:
+            outcome.append(a.cancel([write], "wait"))
+        except BaseException as exc:
+            outcome.append(exc)
+        outcome.append(time.monotonic() - started)
+
+    canceller = threading.Thread(target=cancel)
+    canceller.start()
+    time.sleep(0.05)
+    a.close()
+    canceller.join(15)
+    assert isinstance(outcome[0], ClosedError), outcome
+    assert outcome[1] < 2.0, outcome
 
 
 def test_a_pair_survives_a_caller_that_only_writes_for_twice_the_heartbeat_timeout(make_transport, child):

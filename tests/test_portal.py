@@ -11,7 +11,9 @@ import time
 import pytest
 
 from omni_async.errors import ClosedError
-from omni_async.seed.portal import Portal
+from omni_async.seed.portal import NEWS_WAIT_S, Portal
+
+from .helpers.ctrl_c import ctrl_c_storm
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,8 +60,10 @@ def test_without_waiting_a_caller_does_not_take_a_loop_another_thread_runs(porta
 @pytest.mark.usefixtures("sigint_raises")
 def test_a_sigint_during_a_callers_turn_waits_for_the_callback_it_lands_in(portal):
     """A KeyboardInterrupt raised inside a loop callback would leave the transport's state half
-    changed: during a turn in the main thread the signal is held, and raised once it ends."""
+    changed: while a caller in the main thread holds the loop the signal is held, and raised
+    once the loop is let go (the turn ran to its end, the drive lock is free)."""
     finished: list[bool] = []
+    turned: list[bool] = []
 
     def interrupted_callback() -> None:
         os.kill(os.getpid(), signal.SIGINT)
@@ -68,12 +72,13 @@ def test_a_sigint_during_a_callers_turn_waits_for_the_callback_it_lands_in(porta
             total += i
         finished.append(total > 0)
 
-    with portal.driving(1.0) as driving:
+    with pytest.raises(KeyboardInterrupt), portal.driving(1.0) as driving:
         assert driving
         portal.loop.call_soon(interrupted_callback)
-        with pytest.raises(KeyboardInterrupt):
-            portal.turn(0.05)
-    assert finished == [True]
+        portal.turn(0.05)
+        turned.append(True)
+    assert finished == [True] and turned == [True]
+    assert portal._driver is None and not (portal._drive.locked() and portal._driver is threading.main_thread())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
@@ -198,3 +203,30 @@ def test_a_stop_is_whole_when_it_returns_even_racing_another_or_cut_short():
         if not cut.loop.is_closed():
             cut.loop.call_soon_threadsafe(cut.loop.stop)
         cut.thread.join(5.0)
+
+
+def test_a_ctrl_c_storm_never_leaves_the_loop_held_by_nobody(portal):
+    """SIGINTs landing anywhere in a caller's polls, back to back: after each KeyboardInterrupt
+    the loop is free or its thread's within a second, and no caller is left counted as waiting
+    for it (a SIGINT between taking the drive lock and the ``try`` that gives it back, or
+    between asking for the loop and that ``try``, left the loop held by nobody: the loop's
+    thread never ran it again; found by a review)."""
+    main = threading.main_thread()
+
+    def poll_like() -> None:  # what poll() does with the portal
+        with portal.driving(NEWS_WAIT_S) as driving:
+            if driving:
+                portal.turn(0.0)
+
+    def leaked() -> object | None:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if portal._driver is not main and not portal._wanted and (
+                    not portal._drive.locked() or portal._driver is portal.thread):
+                return None
+            time.sleep(0.01)
+        return portal._drive.locked(), portal._wanted, portal._driver
+
+    interrupts, left = ctrl_c_storm(poll_like, 3.0, leaked)
+    assert left is None, f"after {interrupts} interrupts: drive lock held {left[0]}, waiting {left[1]}, driver {left[2]}"
+    assert interrupts >= 10  # (the storm reached the calls)

@@ -154,7 +154,17 @@ class Portal:
 
         With ``wait``, whoever runs the loop is asked to let go: the daemon thread stops it
         (one hand-over), another caller's turn ends (at once, if it waits for news).
+
+        In the main thread a SIGINT that comes during the whole block is held, then raised once
+        the loop is let go (:func:`sigint_held`): a ``KeyboardInterrupt`` landing between taking
+        the drive lock and the ``try`` that gives it back left the loop held by nobody for good,
+        and one within the block could split the caller's books (a write queued, never posted).
+        Every block is short (a call of the facade: a poll waits at most ``NEWS_WAIT_S``).
         """
+        with sigint_held():
+            yield from self._driving(wait)
+
+    def _driving(self, wait: float) -> Iterator[bool]:
         me = threading.current_thread()
         runs_a_loop = me is self.thread or self._driver is me or asyncio._get_running_loop() is not None
         if runs_a_loop or not self._take_drive(wait):
@@ -333,11 +343,17 @@ class Portal:
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Hand ``fn(*args)`` to the loop without waiting (call order is kept).
 
-        Raises :class:`ClosedError` if the loop is closed."""
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed concurrently
-            raise ClosedError(f"{self.owner} is closed") from None
+        Raises :class:`ClosedError` once the portal ended (as :meth:`_submit`: handed over
+        after the daemon thread's last pass of the loop, ``fn`` would never run, and a caller
+        waiting for it would wait out its own timeout)."""
+        with self._lease:
+            if not self._ended:
+                try:
+                    self.loop.call_soon_threadsafe(fn, *args)
+                    return
+                except RuntimeError:  # the loop closed (its thread ended without a stop)
+                    pass
+        raise ClosedError(f"{self.owner} is closed")
 
     # -- completions handed back -----------------------------------------------------------------
     def notify(self) -> None:
