@@ -230,3 +230,42 @@ def test_a_ctrl_c_storm_never_leaves_the_loop_held_by_nobody(portal):
     interrupts, left = ctrl_c_storm(poll_like, 3.0, leaked)
     assert left is None, f"after {interrupts} interrupts: drive lock held {left[0]}, waiting {left[1]}, driver {left[2]}"
     assert interrupts >= 10  # (the storm reached the calls)
+
+
+def test_a_stop_request_left_queued_does_not_cut_the_last_pass_short(portal, monkeypatch):
+    """``stop()`` ends the portal, then asks the loop to stop.  If the loop's thread was waiting
+    for the callers (they held the lease), it may be in its last pass already, cancelling the
+    tasks left and waiting for their cleanup, when that request lands: the last pass still runs
+    to its end (the request cut it short: "Event loop stopped before Future completed" in that
+    thread, the tasks' cleanup never awaited; found by a review's reading)."""
+    import asyncio
+
+    import omni_async.seed.portal as portal_module
+
+    monkeypatch.setattr(portal_module, "LEASE_S", 5.0)  # the loop's thread waits for the callers
+    errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    cleaned = threading.Event()
+
+    async def lingering() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)  # its cleanup takes a moment
+            cleaned.set()
+            raise
+
+    with portal.driving(1.0) as driving:
+        assert driving
+        portal.loop.call_soon(lambda: portal.loop.create_task(lingering()))
+        portal.turn(0.01)
+    real_end = portal._end
+
+    def end_then_pause() -> None:  # the loop's thread starts its last pass before the request
+        real_end()
+        time.sleep(0.05)
+
+    monkeypatch.setattr(portal, "_end", end_then_pause)
+    portal.stop(None, 5.0)
+    assert not portal.thread.is_alive()
+    assert errors == [] and cleaned.is_set()

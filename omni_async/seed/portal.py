@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Self, TypeVar, cast
@@ -116,9 +116,9 @@ class Portal:
                     tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
                     for task in tasks:
                         task.cancel()
-                    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-                    loop.run_until_complete(loop.shutdown_asyncgens())
-                    loop.run_until_complete(loop.shutdown_default_executor())  # its threads too
+                    _run_to_end(loop, asyncio.gather(*tasks, return_exceptions=True))
+                    _run_to_end(loop, loop.shutdown_asyncgens())
+                    _run_to_end(loop, loop.shutdown_default_executor())  # its threads too
                 finally:
                     asyncio.set_event_loop(None)
                     loop.close()
@@ -505,6 +505,20 @@ def sigint_held() -> Iterator[None]:
         _raw_signal.signal(_SIGINT, previous)
         if held:
             previous(signal.SIGINT, held[0])
+
+
+def _run_to_end(loop: asyncio.AbstractEventLoop, awaitable: Awaitable[Any]) -> None:
+    """``loop.run_until_complete(awaitable)``, run again if a stop request a caller left
+    queued ends a run before it completed (:meth:`Portal.stop` posts one after ending the
+    portal, which may land in the daemon thread's last pass)."""
+    future = asyncio.ensure_future(awaitable, loop=loop)
+    while True:
+        try:
+            loop.run_until_complete(future)
+            return
+        except RuntimeError:
+            if future.done():
+                raise  # (its own error, not a stopped run)
 
 
 async def _boxed(coro: Coroutine[Any, Any, T]) -> tuple[bool, Any]:
