@@ -223,15 +223,14 @@ class Portal:
         """Run the loop in this thread (inside :meth:`driving`, which returned True) until
         :meth:`notify` (something settled), another thread's :meth:`driving` asks for it, or
         ``wait`` seconds passed; blocked in the loop's poll meanwhile (the GIL released).  The
-        loop stays with the callers for :data:`LEASE_S` after it.  In the main thread a SIGINT
-        that comes meanwhile is held until the run ends (no callback of the loop is cut in
-        half by a ``KeyboardInterrupt``), then handed to the handler that was installed."""
+        loop stays with the callers for :data:`LEASE_S` after it.  No callback of the loop is
+        cut in half by a ``KeyboardInterrupt``: :meth:`driving` holds a SIGINT until the
+        caller lets go of the loop."""
         loop = self.loop
         timer = loop.call_later(wait, loop.stop)
         self._until_news = True
         try:
-            with sigint_held():
-                loop.run_forever()
+            loop.run_forever()
         finally:
             self._until_news = False
             timer.cancel()

@@ -51,7 +51,7 @@ from ..region import BlockRegion, Run, config_fingerprint, plan_runs
 from ..session import SessionEvent
 from ..transport import CancelMode, Transfer
 from .card import AgentCard, decode_agent_metadata, encode_agent_metadata
-from .portal import NEWS_WAIT_S, Facade, Portal, sigint_held
+from .portal import NEWS_WAIT_S, Facade, Portal
 
 __all__ = ["PollResult", "SyncDataTransport"]
 
@@ -511,8 +511,7 @@ class SyncDataTransport(Facade):
                             raise
                         return transfer_id
             if refused is None:
-                with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
-                    engine.post_writes()  # (ours, after any handed over before it) the loop's next run carries on
+                engine.post_writes()  # (ours, after any handed over before it) the loop's next run carries on
                 portal.catch_up()  # (no poll for a while: this thread keeps the loop moving)
                 return transfer_id
         self._last_error = refused
@@ -542,8 +541,7 @@ class SyncDataTransport(Facade):
             if driving:
                 answered = False
                 if peer_id is None or core_id is not None:  # (a name removed meanwhile: no write of it)
-                    with sigint_held():  # (loop work: a KeyboardInterrupt must not cut it in half)
-                        answered = engine.answer_here(core_id)
+                    answered = engine.answer_here(core_id)
                 if answered:  # taken here: no loop run for it (one if none ran for a lease)
                     portal.catch_up()
                 else:

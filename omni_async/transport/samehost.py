@@ -213,14 +213,16 @@ class RingReceiver:
         self._consumer.awake()
         deadline = time.perf_counter() + SPIN
         try:
-            while not settled() and self._answering is ring:  # (a callback may drop the ring)
+            while self._answering is ring:  # (a callback may drop the ring)
+                if settled():
+                    self.taken_in_place += 1
+                    break
                 if ring.answered_yet():
                     self._answers(ring)
                 elif time.perf_counter() < deadline:
                     os.sched_yield()
                 else:
                     break
-            self.taken_in_place += settled()
         except ProtocolError as exc:  # the peer broke its tail
             self.close()
             self._fault(exc)
