@@ -2,11 +2,12 @@
 
 One :class:`Metrics` per agent, labelled with its peer id.  Nothing is written to Prometheus
 while transfers run: every figure is a plain int or float on a small record bumped on the
-agent's event loop (a transfer costs a few attribute and dict increments and, for latency, a
-``bisect`` into the bucket list), and one custom collector turns the records into families
-when ``/metrics`` is scraped (in a thread of the endpoint: it only reads numbers and takes
-atomic copies of dicts).  The process's default registry serves every agent of the process;
-:func:`serve_metrics` starts that endpoint, a :class:`MetricsServer` its owner stops.
+agent's event loop (a transfer costs a few attribute and dict increments and, for latency, an
+append to a pending array, counted into the buckets in bulk), and one custom collector turns
+the records into families when ``/metrics`` is scraped (in a thread of the endpoint: it only
+reads numbers and takes atomic copies of dicts and arrays).  The process's default registry
+serves every agent of the process; :func:`serve_metrics` starts that endpoint, a
+:class:`MetricsServer` its owner stops.
 
 Agent-wide series are summed over every agent of one name, and stay after the agent closed
 (its ``omni_async_peers`` drops to 0), as labelled Prometheus children did.  Per-peer figures
@@ -23,12 +24,14 @@ import socket
 import threading
 import time
 import weakref
-from bisect import bisect_left
+from array import array
 from collections.abc import Callable, Hashable, Iterator
 from socketserver import TCPServer
 from typing import Any, Generic, Literal, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import REGISTRY, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -90,23 +93,55 @@ class _Tally(Generic[K]):
 
 
 class _Histogram:
-    """Latencies in :data:`BUCKETS`: a count per bucket (not cumulative) and their sum."""
+    """Latencies in :data:`BUCKETS`: a count per bucket (not cumulative) and their sum.
 
-    __slots__ = ("buckets", "created", "total")
+    :meth:`observe` (the agent's loop, once per settled transfer) only appends the latency to
+    a pending array (eight bytes, no object, no bucket search: the search and the sums cost
+    a one-block write ~4 % of its latency, measured); the pending ones are counted into the
+    buckets in bulk every :data:`_FOLD` observations and read with them by :meth:`figures`,
+    which any thread may call (a scrape's): the fold and the reads hold the lock, the append
+    does not need it (only the loop's thread appends and folds)."""
+
+    __slots__ = ("_buckets", "_lock", "_pending", "_total", "created")
 
     def __init__(self) -> None:
         self.created = time.time()
-        self.buckets = [0] * (len(BUCKETS) + 1)
-        self.total = 0.0
+        self._buckets = np.zeros(len(BUCKETS) + 1, np.int64)
+        self._total = 0.0
+        self._pending = array("d")
+        self._lock = threading.Lock()
 
     def observe(self, seconds: float) -> None:
-        self.buckets[bisect_left(BUCKETS, seconds)] += 1  # a bound is inclusive (le)
-        self.total += seconds
+        pending = self._pending
+        pending.append(seconds)
+        if len(pending) >= _FOLD:
+            with self._lock:
+                self._buckets += _bucket_counts(pending)
+                self._total += sum(pending)
+                del pending[:]
+
+    def figures(self) -> tuple[list[int], float]:
+        """The count in each bucket (``+Inf`` last) and the sum of every latency observed."""
+        with self._lock:
+            pending = array("d", self._pending)  # (an atomic copy: the loop may append meanwhile)
+            return (self._buckets + _bucket_counts(pending)).tolist(), self._total + sum(pending)
 
     def absorb(self, other: _Histogram) -> None:
-        self.created = min(self.created, other.created)
-        self.buckets = [a + b for a, b in zip(self.buckets, list(other.buckets), strict=True)]
-        self.total += other.total
+        buckets, total = other.figures()
+        with self._lock:
+            self.created = min(self.created, other.created)
+            self._buckets += np.asarray(buckets, np.int64)
+            self._total += total
+
+
+_FOLD = 512
+"""Latencies a :class:`_Histogram` keeps pending before it counts them into its buckets."""
+_BOUNDS = np.asarray(BUCKETS)
+
+
+def _bucket_counts(latencies: array[float]) -> npt.NDArray[np.int64]:
+    """How many of ``latencies`` fall in each bucket (a bound is inclusive: ``le``)."""
+    return np.bincount(np.searchsorted(_BOUNDS, np.frombuffer(latencies, np.float64)), minlength=len(BUCKETS) + 1)
 
 
 class _Tallies:
@@ -324,11 +359,12 @@ class _Families:
                     family.add_metric([agent, kind, outcome], n, created=tally.first_seen[outcome])
         for kind in KINDS:
             histogram = tallies.latency[kind]
+            counts, total = histogram.figures()
             cumulative, buckets = 0, []
-            for le, n in zip(_LE, histogram.buckets, strict=True):
+            for le, n in zip(_LE, counts, strict=True):
                 cumulative += n
                 buckets.append((le, float(cumulative)))
-            self.latency.add_metric([agent, kind], buckets, histogram.total)
+            self.latency.add_metric([agent, kind], buckets, total)
             self.latency.samples.append(Sample(  # what a Histogram child exports, and this family cannot add
                 "omni_async_transfer_seconds_created", {"agent": agent, "kind": kind}, histogram.created))
         self.peers.add_metric([agent], peers)

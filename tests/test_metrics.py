@@ -135,6 +135,48 @@ def test_export_sums_agents_of_one_name_and_keeps_closed_ones():
     again = generate_latest(REGISTRY).decode()
     assert 'omni_async_bytes_total{agent="mx-export",direction="sent",kind="blocks"} 30.0' in again
 
+def test_latencies_counted_in_bulk_match_one_by_one_and_a_reader_never_sees_one_twice():
+    """The latency histogram keeps observations pending and counts them into its buckets in
+    bulk: what it reports equals counting each one as it came (bounds inclusive, past the last
+    bound in +Inf), before and after a bulk count, for agents of one name summed at export
+    too; a scrape thread reading while the loop observes sees counts that only grow and
+    never exceed what was observed."""
+    from bisect import bisect_left
+
+    metrics = Metrics("mx-bulk")
+    metrics.peer_event("joined", "p", "", 1)
+    values = [*metrics_module.BUCKETS, 0.0, 1e-9, 7.0, *(i * 37e-6 for i in range(1300))]
+    expected = [0] * (len(metrics_module.BUCKETS) + 1)
+    histogram = metrics._latency["blocks"]
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            seen.append(sum(histogram.figures()[0]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for n, seconds in enumerate(values, 1):
+            metrics.settled("blocks", 1, "ok", seconds, "p")
+            expected[bisect_left(metrics_module.BUCKETS, seconds)] += 1
+            if n in (1, 511, 512, 513, len(values)):  # around the first bulk count, and at the end
+                counts, total = histogram.figures()
+                assert counts == expected and total == pytest.approx(sum(values[:n]))
+    finally:
+        stop.set()
+        reader.join(10)
+    assert seen and seen == sorted(seen) and seen[-1] <= len(values)
+    body = generate_latest(REGISTRY).decode()
+    assert f'omni_async_transfer_seconds_count{{agent="mx-bulk",kind="blocks"}} {float(len(values))}' in body
+    metrics.close()  # its counts stay under its name, pending ones included
+    again = generate_latest(REGISTRY).decode()
+    assert f'omni_async_transfer_seconds_count{{agent="mx-bulk",kind="blocks"}} {float(len(values))}' in again
+    inf = 'omni_async_transfer_seconds_bucket{agent="mx-bulk",kind="blocks",le="+Inf"}'
+    assert f"{inf} {float(len(values))}" in again
+
+
 
 async def test_metrics_endpoint_is_closed_with_its_agent(make_agent):
     """close() is whole: the /metrics server an agent started goes with it (port free, no thread

@@ -334,7 +334,7 @@ class BlockWrites(TransportCore):
         puts = puts_of_runs(self._arrays, runs, bases, keys)
         link.flushing[transfer_id] = link.flushing.get(transfer_id, 0) + 1
         header = _write_request(transfer_id, link.outbox.take_seq(0), runs, None, placed=True)
-        self._send_header(link, header, partial(self._sent, link, transfer_id))
+        self._send_header(link, header, transfer_id)
         link.lane.put(puts, self._arrays, partial(self._flushed, link, transfer_id))
 
     def _flushed(self, link: PeerLink, transfer_id: int, error: BaseException | None) -> None:
@@ -373,7 +373,7 @@ class BlockWrites(TransportCore):
         process (it cannot answer while the awaiter polls)."""
         transfer_id = header.transfer_id
         tail_of = transfer_id if header.tail else None
-        if self._send_header(link, header, partial(self._sent, link, transfer_id), tail_of) and header.tail:
+        if self._send_header(link, header, transfer_id, tail_of) and header.tail:
             ring, sent = link.ring_out, link.sent.get(transfer_id)  # (a ring that broke on the put settled it)
             if ring is not None and not ring.in_this_process and sent is not None:
                 sent.transfer.answer_in_awaiter(self._answer_in_awaiter)
@@ -407,7 +407,7 @@ class BlockWrites(TransportCore):
         if tag is not None:
             self._count_noticed(link, transfer_id, lane=False)
         if self._copy(link, transfer_id, runs):
-            self._send_header(link, Commit(transfer_id, part), partial(self._sent, link, transfer_id))
+            self._send_header(link, Commit(transfer_id, part), transfer_id)
 
     def _copy(self, link: PeerLink, transfer_id: int, runs: list[Run]) -> bool:
         """Copy the runs into the peer's region (same host); False if that failed.

@@ -219,7 +219,7 @@ class Peers(TransportCore):
             return
         if not link.ring_out.in_this_process:  # its next record may come while we poll
             link.ring_in.linger = LINGER
-        link.ring_in.answers_from(link.ring_out, partial(self._answered, link, code="", reason=""))
+        link.ring_in.answers_from(link.ring_out, partial(self._answered, link))
 
     def _offer_keys(self, link: PeerLink) -> None:
         """Offer a peer without a same-host lane puts into our regions (mapped on first use)."""
