@@ -374,9 +374,9 @@ class BlockWrites(TransportCore):
         transfer_id = header.transfer_id
         tail_of = transfer_id if header.tail else None
         if self._send_header(link, header, transfer_id, tail_of) and header.tail:
-            ring, sent = link.ring_out, link.sent.get(transfer_id)  # (a ring that broke on the put settled it)
-            if ring is not None and not ring.in_this_process and sent is not None:
-                sent.transfer.answer_in_awaiter(self._answer_in_awaiter)
+            ring, transfer = link.ring_out, link.sent.get(transfer_id)  # (a ring that broke on the put settled it)
+            if ring is not None and not ring.in_this_process and transfer is not None:
+                transfer.answer_in_awaiter(self._answer_in_awaiter)
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1

@@ -58,7 +58,7 @@ from ..wire import (
     with_length,
 )
 from .lane import Completion, Lane, new_context
-from .link import MessageRetract, MessageSink, PeerLink, Sent
+from .link import MessageRetract, MessageSink, PeerLink
 from .notices import NoticeQueue, sink_error
 from .pool import ReceivePool
 from .protocol import GiveUp
@@ -231,7 +231,7 @@ class TransportCore(ABC):
     def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
         """Transfers sent and not settled yet (to one peer, or to all)."""
         links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
-        return [sent.transfer for link in links for sent in link.sent.values()]
+        return [transfer for link in links for transfer in link.sent.values()]
 
     @staticmethod
     def _drop_direct(link: PeerLink) -> None:
@@ -279,9 +279,9 @@ class TransportCore(ABC):
         return transfer.done() and self._turn_budget.may_skip()
 
     def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind) -> Transfer:
-        transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, self._on_cancel)
         now = self._loop.time()
-        link.sent[transfer.id] = Sent(transfer, kind, now)
+        transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, self._on_cancel, kind, now)
+        link.sent[transfer.id] = transfer
         due = link.deadlines.start(transfer.id, now)
         if due is not None:
             link.timer = self._loop.call_at(due, self._deadlines_due, link)
@@ -311,21 +311,21 @@ class TransportCore(ABC):
     def _settle(self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None) -> None:
         """Settle a transfer: acknowledged (``error`` None), answered with a failure, or given
         up here (deadline, a failed send, the peer's removal)."""
-        sent = self._end(link, transfer_id, error)
-        if sent is None:
+        transfer = self._end(link, transfer_id, error)
+        if transfer is None:
             return
-        if sent.transfer.set_done() if error is None else sent.transfer.set_failed(error):
+        if transfer.set_done() if error is None else transfer.set_failed(error):
             self._handoffs.handed()  # (its awaiters run on the coming loop turns)
 
     def _end(
         self, link: PeerLink, transfer_id: int, error: OmniAsyncError | None, mode: CancelMode = "immediate"
-    ) -> Sent | None:
+    ) -> Transfer | None:
         """Carry out what the lane protocol decides for a transfer that ends here (``error``:
         given up, or answered with it; a cancel in ``mode``): nothing yet, or forget it (after
-        an ``Abort`` if told to).  Returns its record, to settle its handle; None if it was
+        an ``Abort`` if told to).  Returns the transfer, to settle it; None if it was
         settled already or is kept (a ``"wait"`` cancel)."""
-        sent = link.sent.get(transfer_id)
-        if sent is None:
+        transfer = link.sent.get(transfer_id)
+        if transfer is None:
             return None  # settled already (cancelled, expired, acknowledged)
         current = self._links.get(link.peer.peer_id) is link
         action = GiveUp.SETTLE if error is None or not current else link.outbox.give_up(transfer_id, mode)
@@ -343,9 +343,9 @@ class TransportCore(ABC):
                 self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
-            sent.kind, sent.transfer.nbytes, outcome, self._loop.time() - sent.started, link.peer.peer_id
+            transfer.kind, transfer.nbytes, outcome, self._loop.time() - transfer.started, link.peer.peer_id
         )
-        return sent
+        return transfer
 
     def cancel(self, transfer_ids: Sequence[int], mode: CancelMode = "immediate") -> list[int]:
         """Cancel transfers by id with the seed's semantics; unknown ids are ignored.
@@ -358,7 +358,7 @@ class TransportCore(ABC):
         draining = []
         for link in list(self._links.values()):
             for transfer_id in wanted.intersection(link.sent):
-                if link.sent[transfer_id].transfer.cancel(mode):
+                if link.sent[transfer_id].cancel(mode):
                     draining.append(transfer_id)
         return draining
 

@@ -1,5 +1,5 @@
-"""What the transport keeps per peer (:class:`PeerLink`) and per transfer in flight
-(:class:`Sent`), and the types of chunk messages.  No I/O: plain records that the transport's
+"""What the transport keeps per peer (:class:`PeerLink`, its transfers in flight among it), and
+the types of chunk messages.  No I/O: plain records that the transport's
 parts (:mod:`.core`, :mod:`.peers`, :mod:`.block_writes`, :mod:`.incoming_writes`, :mod:`.messages`) read and
 update on the event loop.
 """
@@ -19,7 +19,6 @@ from ..errors import (
     OmniAsyncError,
 )
 from ..handshake import PeerInfo
-from ..metrics import Kind
 from ..wire import MAX_PENDING_PAYLOADS, RingOffer
 from .lane import RNDV_THRESH_SHM, Completion, Lane
 from .limits import Window
@@ -48,17 +47,6 @@ which sends the answer.  ``pending`` runs what the sink returned for the message
 awaitable itself if it was a future, else its task."""
 
 
-class Sent:
-    """A transfer in flight: its kind and start time (for metrics)."""
-
-    __slots__ = ("kind", "started", "transfer")
-
-    def __init__(self, transfer: Transfer, kind: Kind, started: float) -> None:
-        self.transfer = transfer
-        self.kind = kind
-        self.started = started
-
-
 @dataclass(eq=False)
 class PeerLink:
     """Everything the transport keeps about one peer (read-only outside the transport: see
@@ -72,7 +60,7 @@ class PeerLink:
     """Payload messages matched to their headers: each goes to (buffers, done); the buffers
     may be shorter than the announced length (a refused write's payload is received into a
     1-byte scratch buffer: UCX truncates it)."""
-    sent: dict[int, Sent] = field(default_factory=dict)
+    sent: dict[int, Transfer] = field(default_factory=dict)
     """Transfers sent to the peer and not acknowledged yet."""
     outbox: Outbox[Callable[[], None]] = field(init=False)
     """Sequence numbers, requests waiting for the peer's window, answers awaited, cancels."""

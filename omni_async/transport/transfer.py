@@ -15,6 +15,7 @@ from enum import Enum
 from typing import Any, Final, Literal
 
 from ..errors import OmniAsyncError, TransferCancelled
+from ..metrics import Kind
 
 CancelMode = Literal["immediate", "wait"]
 
@@ -34,9 +35,14 @@ class Transfer:
     """Handle of one transfer to ``peer_id``; ``id`` is unique for the transport's life.
 
     ``await transfer`` returns when the receiver acknowledged, or raises the failure.
+    ``kind`` says what it moves (``"blocks"``, ``"messages"``: its metrics' label) and
+    ``started`` when it was submitted (the event loop's clock: its latency counts from there).
     """
 
-    __slots__ = ("_answer_here", "_callbacks", "_error", "_on_cancel", "_state", "_waiters", "id", "nbytes", "peer_id")
+    __slots__ = (
+        "_answer_here", "_callbacks", "_error", "_on_cancel", "_state", "_waiters",
+        "id", "kind", "nbytes", "peer_id", "started",
+    )
 
     def __init__(
         self,
@@ -44,10 +50,14 @@ class Transfer:
         peer_id: str,
         nbytes: int,
         on_cancel: Callable[[Transfer, CancelMode], bool] | None = None,
+        kind: Kind = "blocks",
+        started: float = 0.0,
     ) -> None:
         self.id = transfer_id
         self.peer_id = peer_id
         self.nbytes = nbytes
+        self.kind: Kind = kind
+        self.started = started
         self._state = State.PENDING
         self._error: OmniAsyncError | None = None
         self._waiters: list[asyncio.Future[None]] = []
