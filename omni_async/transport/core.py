@@ -282,7 +282,7 @@ class TransportCore(ABC):
         now = self._loop.time()
         transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, self._on_cancel, kind, now)
         link.sent[transfer.id] = transfer
-        due = link.deadlines.start(transfer.id, now)
+        due = link.deadlines.start(now)
         if due is not None:
             link.timer = self._loop.call_at(due, self._deadlines_due, link)
         self.metrics.started(link.peer.peer_id)
@@ -303,7 +303,8 @@ class TransportCore(ABC):
 
     def _deadlines_due(self, link: PeerLink) -> None:
         """The link's deadline timer went off: arm it for the next deadline, expire what is due."""
-        expired, due = link.deadlines.fired(self._loop.time())
+        in_flight = ((transfer_id, transfer.started) for transfer_id, transfer in link.sent.items())
+        expired, due = link.deadlines.fired(self._loop.time(), in_flight)  # (read before any settles)
         link.timer = None if due is None else self._loop.call_at(due, self._deadlines_due, link)
         for transfer_id in expired:
             self._settle(link, transfer_id, DeadlineExceeded(f"no acknowledgement within {link.deadlines.timeout}s"))
@@ -331,8 +332,7 @@ class TransportCore(ABC):
         action = GiveUp.SETTLE if error is None or not current else link.outbox.give_up(transfer_id, mode)
         if action is GiveUp.KEEP:
             return None
-        del link.sent[transfer_id]  # first: what runs below sees it settled
-        link.deadlines.settle(transfer_id)
+        del link.sent[transfer_id]  # first: what runs below sees it settled (and that it never expires)
         if current:
             if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
                 abort = Abort(transfer_id, error.code, bounded_reason(str(error)))

@@ -17,6 +17,7 @@ futures), the timer itself and the bound on a drain's wait.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
@@ -301,62 +302,45 @@ class Deadlines:
     """When the transfers of one lane run out of time: one timer for all of them.
 
     Every transfer gets the same ``timeout`` from its start, so start order is deadline order
-    (the driver's clock never goes back): the book keeps them in start order and the driver
-    keeps **one** timer per lane, armed when :meth:`start` or :meth:`fired` says so, never per
-    transfer.  A transfer settled otherwise is :meth:`settle`-d and never expires; the timer is
-    not moved for that: it goes off at the time it was armed for, expires nothing, and is
-    armed again at the next deadline (so a busy lane costs one timer per ``timeout``, not one
-    per transfer).  The timer is armed :attr:`slack` after that deadline, so the transfers
-    that start within ``slack`` of each other expire together, in one firing, however slowly
-    the loop started them: a transfer expires no sooner than its deadline and at most
-    ``slack`` (2 % of ``timeout``, at most 50 ms) after it.
+    (the driver's clock never goes back).  The book keeps nothing per transfer: the driver
+    keeps its transfers in flight in start order anyway (with their start times) and hands
+    them to :meth:`fired`; it keeps **one** timer per lane, armed when :meth:`start` or
+    :meth:`fired` says so, never per transfer.  A transfer settled otherwise simply leaves the
+    driver's book; the timer is not moved for that: it goes off at the time it was armed for,
+    expires nothing, and is armed again at the next deadline (so a busy lane costs one timer
+    per ``timeout``, not one per transfer).  The timer is armed :attr:`slack` after that
+    deadline, so the transfers that start within ``slack`` of each other expire together, in
+    one firing, however slowly the loop started them: a transfer expires no sooner than its
+    deadline and at most ``slack`` (2 % of ``timeout``, at most 50 ms) after it.
     """
 
-    __slots__ = ("_armed", "_due", "slack", "timeout")
+    __slots__ = ("_armed", "slack", "timeout")
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self.slack = min(timeout * 0.02, 0.05)
-        self._due: dict[int, float] = {}  # transfer id -> deadline, in start order
         self._armed: float | None = None  # when the driver's timer goes off; None: not armed
 
-    def __len__(self) -> int:
-        return len(self._due)
-
-    def start(self, transfer_id: int, now: float) -> float | None:
+    def start(self, now: float) -> float | None:
         """A transfer starts at ``now``: returns when to arm the timer, or None if it is armed."""
-        self._due[transfer_id] = deadline = now + self.timeout
         if self._armed is not None:
             return None
-        self._armed = deadline + self.slack
+        self._armed = now + self.timeout + self.slack
         return self._armed
 
-    def settle(self, transfer_id: int) -> None:
-        """The transfer settled otherwise: it never expires (unknown ids are ignored)."""
-        self._due.pop(transfer_id, None)
-
-    def next_deadline(self) -> float | None:
-        """The deadline of the oldest transfer not settled; None if there is none."""
-        return next(iter(self._due.values()), None)
-
-    def expired(self, now: float) -> list[int]:
-        """The transfers whose deadline is ``now`` or earlier, in start order (forgotten)."""
-        due = []
-        for transfer_id, deadline in self._due.items():
-            if deadline > now:
+    def fired(self, now: float, in_flight: Iterable[tuple[int, float]]) -> tuple[list[int], float | None]:
+        """The timer went off at ``now``; ``in_flight``: the transfers not settled, as ``(id,
+        start time)`` in start order.  Returns those that expire (due by ``now``, or by the
+        time the timer was armed for: a loop may run a timer a little early), in start order,
+        and when to arm the timer next (None: nothing is left to expire, leave it unarmed)."""
+        cutoff = now if self._armed is None else max(now, self._armed)
+        expired, timeout = [], self.timeout
+        self._armed = None
+        for transfer_id, started in in_flight:
+            if started + timeout > cutoff:
+                self._armed = started + timeout + self.slack
                 break
-            due.append(transfer_id)
-        for transfer_id in due:
-            del self._due[transfer_id]
-        return due
-
-    def fired(self, now: float) -> tuple[list[int], float | None]:
-        """The timer went off at ``now``: returns the transfers that expire (due by ``now``, or
-        by the time the timer was armed for: a loop may run a timer a little early) and when to
-        arm the timer next (None: nothing is left to expire, leave it unarmed)."""
-        expired = self.expired(now if self._armed is None else max(now, self._armed))
-        deadline = self.next_deadline()
-        self._armed = None if deadline is None else deadline + self.slack
+            expired.append(transfer_id)
         return expired, self._armed
 
 
