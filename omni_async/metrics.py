@@ -74,13 +74,13 @@ class _Tally(Generic[K]):
         self.counts: dict[K, int] = {}
         self.first_seen: dict[K, float] = {}
 
-    def count(self, key: K) -> None:
+    def count(self, key: K, times: int = 1) -> None:
         counts = self.counts
         n = counts.get(key)
         if n is None:
             self.first_seen[key] = time.time()
             n = 0
-        counts[key] = n + 1
+        counts[key] = n + times
 
     def absorb(self, other: _Tally[K]) -> None:
         """Add ``other``'s figures to these (earliest creation times win)."""
@@ -241,15 +241,16 @@ class Metrics:
                 meter.sent += 1
                 meter.sent_bytes += nbytes
 
-    def answered(self, kind: Kind, nbytes: int, outcome: str, peer: str) -> None:
-        """An incoming transfer from ``peer`` was acknowledged (``"ok"``) or refused (an error code)."""
+    def answered(self, kind: Kind, nbytes: int, outcome: str, peer: str, transfers: int = 1) -> None:
+        """``transfers`` incoming transfers from ``peer`` (of ``nbytes`` in all) were
+        acknowledged (``"ok"``) or refused (an error code)."""
         received = self._received[kind]
-        received.count(outcome)
+        received.count(outcome, transfers)
         if outcome == "ok":
             received.bytes += nbytes
             meter = self._meters.get(peer)
             if meter is not None:
-                meter.received += 1
+                meter.received += transfers
                 meter.received_bytes += nbytes
 
     def peer_event(self, event: str, peer_id: str, reason: str, peers: int, lane: LaneKind = "ucx") -> None:

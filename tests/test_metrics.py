@@ -79,6 +79,26 @@ async def test_stats_and_prometheus(make_agent):
     assert 'omni_async_peers{agent="ma"} 1.0' in body
 
 
+async def test_one_block_writes_answered_by_the_rings_consumption_are_each_counted(make_agent):
+    """One-block writes to a same-host peer are answered by the consumption of their ring
+    records and counted at the end of the receiver's ring batch: several taken in one batch
+    count one each, with their bytes, on both sides and per peer."""
+    a = await make_agent(peer_id="ta")
+    b = await make_agent(peer_id="tb")
+    await a.connect(b.control_address)
+    await asyncio.wait_for(b.wait_for_peer("ta"), 5)
+    link = a.transport.links["tb"]
+    assert link.ring_out is not None and link.ring_in is not None  # so the writes go as `tail`
+    writes = [a.write_blocks("tb", [i], [i + 8]) for i in range(6)]  # all in the ring before b's turn
+    await asyncio.wait_for(asyncio.gather(*writes), 5)
+    await asyncio.wait_for(a.write_blocks("tb", [7], [15]), 5)
+    sa, sb = a.stats(), b.stats()
+    assert sa["blocks.ok"] == 7 and sa["blocks.bytes_sent"] == 7 * 4096
+    assert sb["received.blocks.ok"] == 7 and sb["blocks.bytes_received"] == 7 * 4096
+    meter = b.metrics._meters["ta"]
+    assert (meter.received, meter.received_bytes) == (7, 7 * 4096)
+
+
 async def test_transfers_run_no_prometheus_code(make_agent):
     """Metrics are plain numbers while transfers run: prometheus_client only runs at scrape time."""
     a = await make_agent(peer_id="mc")

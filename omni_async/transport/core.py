@@ -534,8 +534,10 @@ class TransportCore(ABC):
         its ring (we have none, or it broke), they are acknowledged with the others."""
         if link.tail_acked:
             ids, link.tail_acked = link.tail_acked, []
+            nbytes, link.tail_bytes = link.tail_bytes, 0
             if not _woke_for_tail(link):
                 link.acks.extend(ids)
+            self.metrics.answered("blocks", nbytes, "ok", link.peer.peer_id, len(ids))
         if not link.acks:
             return
         ids, link.acks = link.acks, []

@@ -96,7 +96,7 @@ class IncomingWrites(TransportCore):
         if self._links.get(link.peer.peer_id) is not link:
             return  # removed, its ring drained: nobody awaits the answer
         link.tail_acked.append(req.transfer_id)
-        self.metrics.answered("blocks", blocks * self.regions.block_bytes, "ok", link.peer.peer_id)
+        link.tail_bytes += blocks * self.regions.block_bytes  # (counted by _flush_acks)
 
     def _intend(self, link: PeerLink, req: WriteRequest, answer: Completion, refusal: InvalidBlocks | None) -> None:
         """An intent: the sender copies its rows now; it is answered (``refusal``, or done)

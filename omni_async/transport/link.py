@@ -147,7 +147,10 @@ class PeerLink:
     tail_acked: list[int] = field(default_factory=list)
     """The peer's writes that its ring records' consumption answers, handled in the ring
     batch being taken: at its end we wake the peer if it sleeps (or acknowledge them, where
-    we cannot)."""
+    we cannot), and count them in the metrics."""
+    tail_bytes: int = 0
+    """The bytes of :attr:`tail_acked`: counted at the batch's end, after the records were
+    given back (the peer waits for that, not for our metrics)."""
     acks: list[int] = field(default_factory=list)
     """Chunk messages from the peer's ring delivered (and their sink done) in the ring batch
     being taken: acknowledged together, at most ``ACK_BATCH`` to an :class:`~omni_async.wire.Acks`."""
