@@ -106,6 +106,7 @@ class Agent(Startable):
         )
         self._control = ControlPlane(self.identity, self.config, accept=self._accept, lost=self._lost)
         self.metrics.heartbeat = self._control.last_seen
+        self.metrics.in_flight = self._transport.in_flight_count
         self.metrics.heartbeat_timeout = self.config.heartbeat_timeout
         try:
             await self._transport.warm_up()

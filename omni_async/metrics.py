@@ -56,6 +56,8 @@ LaneKind = Literal["same-host", "ucx"]
 """``same-host``: a peer on this host over shared memory; ``ucx``: any other UCX lane (tcp)."""
 HeartbeatProbe = Callable[[str], float | None]
 """``probe(peer_id)``: ``time.monotonic()`` when the peer was last heard from (None: unknown)."""
+InFlightProbe = Callable[[str], int]
+"""``probe(peer_id)``: transfers to the peer submitted and not settled yet (0 for one not joined)."""
 StreamProbe = Callable[[], list[tuple[str, int, int]]]
 """``probe()``: ``(stage, active streams, stall deadlines fired so far)`` of each adapter."""
 
@@ -183,29 +185,23 @@ class _Name:
 class PeerMeter:
     """What one joined peer moved, as plain ints bumped on the event loop."""
 
-    __slots__ = ("lane", "received", "received_bytes", "sent", "sent_bytes", "settled", "started")
+    __slots__ = ("lane", "received", "received_bytes", "sent", "sent_bytes")
 
     def __init__(self, lane: LaneKind) -> None:
         self.lane = lane
-        self.started = 0
-        self.settled = 0
         self.sent = 0
         self.sent_bytes = 0
         self.received = 0
         self.received_bytes = 0
 
-    @property
-    def in_flight(self) -> int:
-        """Transfers to the peer submitted and not settled yet."""
-        return self.started - self.settled
-
 
 class Metrics:
     """Counters of one agent, exported to Prometheus at scrape time.
 
-    Every method runs on the agent's event loop.  The owner sets :attr:`heartbeat` (and a
-    service sets :attr:`streams`) so that a scrape can report heartbeat ages and chunk
-    streams; :meth:`close` takes the agent's per-peer series off ``/metrics``.
+    Every method runs on the agent's event loop.  The owner sets :attr:`heartbeat` and
+    :attr:`in_flight` (and a service sets :attr:`streams`) so that a scrape can report
+    heartbeat ages, transfers in flight and chunk streams (nothing is counted per transfer
+    for those); :meth:`close` takes the agent's per-peer series off ``/metrics``.
     """
 
     def __init__(self, agent: str) -> None:
@@ -218,25 +214,19 @@ class Metrics:
         self.heartbeat: HeartbeatProbe | None = None
         self.heartbeat_timeout = 0.0
         """Seconds of silence after which a peer is dropped; past half of it, it shows as ``late``."""
+        self.in_flight: InFlightProbe | None = None
+        """Called in the scrape's thread: it must only read."""
         self.streams: StreamProbe | None = None
         self._name = _COLLECTOR.add(self, self._tallies)
-
-    def started(self, peer: str) -> None:
-        """A transfer to ``peer`` was submitted; exactly one :meth:`settled` follows."""
-        meter = self._meters.get(peer)
-        if meter is not None:
-            meter.started += 1
 
     def settled(self, kind: Kind, nbytes: int, outcome: str, seconds: float, peer: str) -> None:
         """A transfer this side sent to ``peer`` settled; ``outcome`` is ``"ok"`` or an error code."""
         sent = self._sent[kind]
         sent.count(outcome)
-        meter = self._meters.get(peer)
-        if meter is not None:
-            meter.settled += 1
         if outcome == "ok":
             sent.bytes += nbytes
             self._latency[kind].observe(seconds)
+            meter = self._meters.get(peer)
             if meter is not None:
                 meter.sent += 1
                 meter.sent_bytes += nbytes
@@ -287,7 +277,7 @@ class Metrics:
 
     def collect(self, out: _Families) -> None:
         """Add this agent's per-peer and per-stream series to ``out`` (runs in the scrape thread)."""
-        agent, now, probe = self.agent, time.monotonic(), self.heartbeat
+        agent, now, probe, in_flight = self.agent, time.monotonic(), self.heartbeat, self.in_flight
         for peer, meter in list(self._meters.items()):  # an atomic copy: the loop may change it
             heard = probe(peer) if probe is not None else None
             age = None if heard is None else max(0.0, now - heard)
@@ -295,7 +285,7 @@ class Metrics:
             out.info.add_metric([agent, peer, meter.lane, "late" if late else "joined"], 1)
             if age is not None:
                 out.heartbeat_age.add_metric([agent, peer], age)
-            out.in_flight.add_metric([agent, peer], meter.in_flight)
+            out.in_flight.add_metric([agent, peer], in_flight(peer) if in_flight is not None else 0)
             out.peer_bytes.add_metric([agent, peer, "sent"], meter.sent_bytes)
             out.peer_bytes.add_metric([agent, peer, "received"], meter.received_bytes)
             out.peer_transfers.add_metric([agent, peer, "sent"], meter.sent)

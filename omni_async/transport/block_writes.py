@@ -92,7 +92,7 @@ class BlockWrites(TransportCore):
                 return transfer
         if notice is not None:
             notice = check_notice(notice, link.peer.max_notice_bytes)
-        runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        runs = plan_runs(local_idxs, remote_idxs, self.num_blocks, link.peer.num_blocks)
         if notice is not None:
             check_notice_runs(runs, len(local_idxs), link.peer.max_write_blocks)
         return self._write_runs(link, runs, len(local_idxs), notice)
@@ -110,7 +110,7 @@ class BlockWrites(TransportCore):
             direct is None
             or type(local) is not int
             or type(remote) is not int
-            or not 0 <= local < self.region.num_blocks
+            or not 0 <= local < self.num_blocks
             or not 0 <= remote < link.peer.num_blocks
             or remote >= direct.num_blocks
             or self.regions.block_bytes >= ANNOUNCE_BYTES
@@ -243,9 +243,9 @@ class BlockWrites(TransportCore):
         link = self._link(peer_id)
         if not link.peer.allow_reads:
             raise ReadsNotAllowed(f"peer {peer_id!r} does not allow reads of its region")
-        if len(local_idxs) > self.region.num_blocks:
-            raise InvalidBlocks(f"a read of {len(local_idxs)} blocks into a region of {self.region.num_blocks}")
-        runs = plan_runs(local_idxs, remote_idxs, self.region.num_blocks, link.peer.num_blocks)
+        if len(local_idxs) > self.num_blocks:
+            raise InvalidBlocks(f"a read of {len(local_idxs)} blocks into a region of {self.num_blocks}")
+        runs = plan_runs(local_idxs, remote_idxs, self.num_blocks, link.peer.num_blocks)
         transfer = self._new_transfer(link, len(local_idxs) * self.regions.block_bytes, "blocks")
         direct = link.direct
         if not runs:
@@ -283,7 +283,7 @@ class BlockWrites(TransportCore):
             return
         runs: list[Run] = [(src, dst, count) for src, dst, count in req.runs]
         for src, dst, count in runs:
-            if src + count > self.region.num_blocks or dst + count > link.peer.num_blocks:
+            if src + count > self.num_blocks or dst + count > link.peer.num_blocks:
                 refuse(InvalidBlocks(f"read of {count} blocks from {src} into {dst} leaves a region"))
                 return
         blocks = sum(run[2] for run in runs)

@@ -103,6 +103,8 @@ class TransportCore(ABC):
     ) -> None:
         self.regions = as_region_set(region)
         self.region = self.regions.regions[0]
+        self.num_blocks = self.regions.num_blocks
+        """Blocks of our region (of each region of the set): fixed for the transport's life."""
         self._arrays = self.regions.arrays
         self.host_id = host_id
         self.peer_id = peer_id
@@ -228,6 +230,12 @@ class TransportCore(ABC):
         direct = self._link(peer_id).direct
         return None if direct is None else direct.kind
 
+    def in_flight_count(self, peer_id: str) -> int:
+        """How many transfers to the peer are sent and not settled yet (0 for a peer not
+        joined).  Safe from any thread (a metrics scrape's): it only reads."""
+        link = self._links.get(peer_id)
+        return 0 if link is None else len(link.sent)
+
     def in_flight(self, peer_id: str | None = None) -> list[Transfer]:
         """Transfers sent and not settled yet (to one peer, or to all)."""
         links = [self._link(peer_id)] if peer_id is not None else list(self._links.values())
@@ -285,7 +293,6 @@ class TransportCore(ABC):
         due = link.deadlines.start(now)
         if due is not None:
             link.timer = self._loop.call_at(due, self._deadlines_due, link)
-        self.metrics.started(link.peer.peer_id)
         return transfer
 
     def _sent(self, link: PeerLink, transfer_id: int, error: BaseException | None) -> None:

@@ -46,7 +46,7 @@ class IncomingWrites(TransportCore):
             return
         messages = 1 if req.gathered else len(req.runs) * len(self._arrays)
         try:
-            blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
+            blocks = validate_write(req, self.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
             refuse = self._answerer(link, req, 0, valid=False)
             if refuse is None:
@@ -90,7 +90,7 @@ class IncomingWrites(TransportCore):
             self._on_write(link, req)
             return
         try:
-            blocks = validate_write(req, self.region.num_blocks, self.config.max_write_blocks)
+            blocks = validate_write(req, self.num_blocks, self.config.max_write_blocks)
         except ProtocolError as exc:
             raise ProtocolError(f"a write answered by the ring's tail is invalid: {exc}") from None
         if self._links.get(link.peer.peer_id) is not link:

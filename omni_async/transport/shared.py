@@ -268,14 +268,8 @@ class Writers:
 
     def __init__(self, writers: Sequence[DirectWriter]) -> None:
         self.writers = list(writers)
-
-    @property
-    def kind(self) -> str:
-        return self.writers[0].kind
-
-    @property
-    def num_blocks(self) -> int:
-        return self.writers[0].num_blocks
+        self.kind: str = self.writers[0].kind
+        self.num_blocks: int = self.writers[0].num_blocks  # (read on every write: an attribute)
 
     @property
     def mapped(self) -> bool:
