@@ -41,6 +41,7 @@ from .errors import (
 from .lifecycle import close_task
 from .serde import Payload
 from .transport import Transfer
+from .window import SaveWindow
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,10 @@ class TransferAdapter:
 
     ``peer_id`` is where saved chunks go (None: this adapter only receives); ``source`` is the
     peer chunks come from, if known (its loss then fails waiters at once with ``PeerLost``).
-    ``window`` bounds the saves sent and not yet acknowledged (default: a semaphore of
-    ``options.max_in_flight``); adapters given the same one share the bound.
+    ``window`` bounds the saves sent and not yet acknowledged (default: a
+    :class:`~omni_async.window.SaveWindow` of ``options.max_in_flight`` shares; an
+    ``asyncio.Semaphore`` serves too, a little slower); adapters given the same one share
+    the bound.
     """
 
     def __init__(
@@ -107,7 +110,7 @@ class TransferAdapter:
         peer_id: str | None = None,
         source: str | None = None,
         options: AdapterOptions | None = None,
-        window: asyncio.Semaphore | None = None,
+        window: SaveWindow | asyncio.Semaphore | None = None,
     ) -> None:
         if ":" in stage:
             raise ValueError("a stage name must not contain ':'")
@@ -121,7 +124,7 @@ class TransferAdapter:
         """Saves waiting for the save loop, in order."""
         self._queued: asyncio.Future[None] | None = None
         """Set while the save loop waits for a save to be queued (the next one resolves it)."""
-        self._window = window if window is not None else asyncio.Semaphore(self.options.max_in_flight)
+        self._window = window if window is not None else SaveWindow(self.options.max_in_flight)
         self._next_save: dict[str, int] = {}
         self._unsettled: set[asyncio.Future[None]] = set()
         self._incoming: dict[str, _Incoming] = {}
@@ -609,9 +612,12 @@ def _envelope(item: _Save) -> dict[str, Any]:
     return {"final": item.final, "cancelled": item.cancelled, "data": item.data}
 
 
-def _acquire_nowait(window: asyncio.Semaphore) -> bool:
-    """Take one share of ``window`` if that needs no wait (its ``acquire`` then completes on
-    its first step, as documented); False if it is locked (full, or others wait for it)."""
+def _acquire_nowait(window: SaveWindow | asyncio.Semaphore) -> bool:
+    """Take one share of ``window`` if that needs no wait (a semaphore's ``acquire`` then
+    completes on its first step, as documented); False if it is locked (full, or others wait
+    for it)."""
+    if isinstance(window, SaveWindow):
+        return window.take_nowait()
     if window.locked():
         return False
     step = window.acquire()

@@ -18,6 +18,7 @@ from omni_async import (
 )
 from omni_async.adapter import TransferAdapter
 from omni_async.config import AdapterOptions
+from omni_async.window import SaveWindow
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -272,6 +273,37 @@ async def test_a_save_with_room_in_the_window_is_sent_at_once_and_order_holds(ma
     assert [[c.index for c in chunks] for chunks in got] == [list(range(6))] * 2
     assert [c.data["codes"] for c in got[0]] == [[i, i // 2] for i in range(0, 12, 2)]
     await asyncio.wait_for(asyncio.gather(*saves), 10)
+
+
+async def test_adapters_given_one_save_window_share_its_bound(make_service):
+    """Two adapters given the same SaveWindow of 2 shares: while the receiver's sink holds
+    every chunk back, at most 2 saves of both together are sent; all complete once it lets go."""
+    tx = await make_service("tx")
+    rx = await make_service("rx")
+    await asyncio.wait_for(tx.agent.connect(rx.control_address), 5)
+    await asyncio.wait_for(rx.agent.wait_for_peer("tx"), 5)
+    release = asyncio.Event()
+    sink = rx.agent.transport.message_sink
+
+    async def held(*args):  # the receiver acknowledges nothing until released
+        await release.wait()
+        result = sink(*args)
+        if result is not None:
+            await result
+
+    rx.agent.transport.message_sink = held
+    window = SaveWindow(2)
+    first = TransferAdapter(tx.connector, "one", peer_id="rx", window=window)
+    second = TransferAdapter(tx.connector, "two", peer_id="rx", window=window)
+    assert isinstance(TransferAdapter(tx.connector, "three", peer_id="rx")._window, SaveWindow)
+    saves = [adapter.save_async("r", {"i": i}) for i in range(4) for adapter in (first, second)]
+    await asyncio.sleep(0.3)
+    assert len(tx.agent.transport.in_flight("rx")) <= 2 and window.locked()
+    release.set()
+    await asyncio.wait_for(asyncio.gather(*saves), 10)
+    assert not window.locked()
+    await first.close()
+    await second.close()
 
 
 async def test_close_while_busy(make_service):
