@@ -298,7 +298,10 @@ class Agent(Startable):
         yields a :class:`Notice` with it once the rows are in place, before this transfer
         settles; if the write fails after some of it was sent, a notice with ``failed`` set.
         """
-        return self.transport.write_blocks(peer_id, local_idxs, remote_idxs, notice=notice)
+        transport = self._transport  # (the transport property's check, inline: the hot path of row a)
+        if transport is None:
+            raise ClosedError("agent is not started")
+        return transport.write_blocks(peer_id, local_idxs, remote_idxs, notice=notice)
 
     def read_blocks(self, peer_id: str, remote_idxs: Sequence[int], local_idxs: Sequence[int]) -> Transfer:
         """See :meth:`UcxTransport.read_blocks`: copy the peer's rows into ours; returns at

@@ -94,6 +94,16 @@ async def test_many_concurrent_transfers(make_agent):
     assert np.array_equal(b.region.array[::-1], a.region.array)
 
 
+async def test_a_write_on_an_agent_not_started_or_closed_raises_closed_error(make_agent):
+    agent = Agent(BlockRegion.allocate(4, 4096), fast_config(peer_id="idle"))
+    with pytest.raises(ClosedError, match="not started"):
+        agent.write_blocks("b", [0], [0])
+    a, _ = await pair(make_agent)
+    await a.close()
+    with pytest.raises(ClosedError):
+        a.write_blocks("b", [0], [0])
+
+
 async def test_empty_write_completes(make_agent):
     a, _ = await pair(make_agent)
     transfer = a.write_blocks("b", [], [])

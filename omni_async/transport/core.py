@@ -336,18 +336,19 @@ class TransportCore(ABC):
         if transfer is None:
             return None  # settled already (cancelled, expired, acknowledged)
         current = self._links.get(link.peer.peer_id) is link
-        action = GiveUp.SETTLE if error is None or not current else link.outbox.give_up(transfer_id, mode)
-        if action is GiveUp.KEEP:
-            return None
-        del link.sent[transfer_id]  # first: what runs below sees it settled (and that it never expires)
-        if current:
-            if action is GiveUp.ABORT and error is not None:  # the receiver's application gets a failed notice
+        if error is not None and current:  # given up here: the lane protocol says how
+            action = link.outbox.give_up(transfer_id, mode)
+            if action is GiveUp.KEEP:
+                return None
+            del link.sent[transfer_id]  # first: what runs below sees it settled (and that it never expires)
+            if action is GiveUp.ABORT:  # the receiver's application gets a failed notice
                 abort = Abort(transfer_id, error.code, bounded_reason(str(error)))
                 link.lane.send(encode_header(abort), HEADER_TAG, ignore)
-            if error is not None:  # (an acknowledged one left the outbox with its last answer, or never entered it)
-                carry_out(link.outbox.forget(transfer_id))
-            if link.parked:
-                self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
+            carry_out(link.outbox.forget(transfer_id))  # (an acknowledged one left it with its last answer)
+        else:  # acknowledged, or its peer is gone: settled (no Enum member read: ~0.13 µs each on 3.11)
+            del link.sent[transfer_id]
+        if current and link.parked:
+            self._unpark(link)  # an answer freed room in the ring (or nothing else is awaited)
         outcome = "ok" if error is None else error.code
         self.metrics.settled(
             transfer.kind, transfer.nbytes, outcome, self._loop.time() - transfer.started, link.peer.peer_id

@@ -27,7 +27,13 @@ class State(Enum):
     FAILED = "failed"
 
 
-_SETTLED: Final = (State.DONE, State.FAILED)
+_PENDING: Final = State.PENDING
+_DRAINING: Final = State.DRAINING
+_DONE: Final = State.DONE
+_FAILED: Final = State.FAILED
+"""(The members as module constants for the per-transfer paths: reading one through its Enum
+class costs ~0.13 µs on Python 3.11, a module global ~0.01.)"""
+_SETTLED: Final = (_DONE, _FAILED)
 """The settled states (a tuple: ``in`` compares members by identity, a set would hash an Enum in Python)."""
 
 
@@ -58,7 +64,7 @@ class Transfer:
         self.nbytes = nbytes
         self.kind: Kind = kind
         self.started = started
-        self._state = State.PENDING
+        self._state = _PENDING
         self._error: OmniAsyncError | None = None
         self._waiters: list[asyncio.Future[None]] = []
         """One future per ``await`` in progress: cancelling an awaiter cancels only its own (no
@@ -159,7 +165,7 @@ class Transfer:
             raise ValueError(f"cancel mode must be 'immediate' or 'wait', got {mode!r}")
         draining = self._on_cancel(self, mode) if self._on_cancel is not None else False
         if draining and mode == "wait":
-            self._state = State.DRAINING
+            self._state = _DRAINING
             return True
         self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
         return False
@@ -167,7 +173,7 @@ class Transfer:
     def set_done(self) -> bool:
         """Settle successfully (a draining transfer settles as cancelled).  True if that woke
         an awaiter or ran a done-callback (see :meth:`_settle`)."""
-        if self._state is State.DRAINING:
+        if self._state is _DRAINING:
             return self._settle(TransferCancelled(f"transfer {self.id} cancelled"))
         if self._state not in _SETTLED:
             return self._settle(None)
@@ -176,7 +182,7 @@ class Transfer:
     def set_failed(self, error: OmniAsyncError) -> bool:
         """Settle with ``error`` (a draining transfer settles as cancelled).  True if that
         woke an awaiter or ran a done-callback."""
-        if self._state is State.DRAINING:
+        if self._state is _DRAINING:
             error = TransferCancelled(f"transfer {self.id} cancelled")
         if not self.done():
             return self._settle(error)
@@ -187,7 +193,7 @@ class Transfer:
         done-callback ran."""
         self._error = error
         self._answer_here = None  # (it holds the transport)
-        self._state = State.DONE if error is None else State.FAILED
+        self._state = _DONE if error is None else _FAILED
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
             if not waiter.done():
