@@ -508,7 +508,7 @@ async def test_an_idle_pair_runs_no_ring_turns(make_agent):
     assert time.process_time() - cpu < 0.05
 
 
-WRITE_CALL_BUDGET = 125
+WRITE_CALL_BUDGET = 118
 """Python calls of omni_async per same-host 64 KiB write and its acknowledgement, both sides
 (issue 9, row a: 143 before the ring and transport hot paths were trimmed, 115 after; 124
 before one block took a short path, ``BlockWrites._place_row``, 117 after, 119 once its
@@ -516,8 +516,9 @@ acknowledgement was the receiver's consumption of the record: in one process the
 spins, so it is woken either way; 122 since session 17: ``_tell_placed``, and the consumed
 answers handed out one by one, a generator's two resumptions, so that a removal a
 done-callback starts still settles the others done; 123 since session 18: in one process
-the awaiter is woken by a ring turn, a hand-off (``Handoffs.handed``); a few calls of headroom
-for a heartbeat or timer that lands among the 100 writes of a loaded run)."""
+the awaiter is woken by a ring turn, a hand-off (``Handoffs.handed``); 115 since session 19:
+no deadline book entry, no ``Metrics.started``, attributes for ``num_blocks``; a few calls of
+headroom for a heartbeat or timer that lands among the 100 writes of a loaded run)."""
 
 
 async def test_a_small_same_host_write_and_its_ack_stay_within_a_call_budget(make_agent):
