@@ -99,6 +99,24 @@ async def test_one_block_writes_answered_by_the_rings_consumption_are_each_count
     assert (meter.received, meter.received_bytes) == (7, 7 * 4096)
 
 
+async def test_writes_answered_by_consumption_count_when_the_peer_is_removed_within_their_batch(make_agent):
+    """Three one-block writes and a message taken in one ring batch; handling the message
+    removes the peer, so the batch never ends: the three writes, consumed (answered) before,
+    still count on the receiver."""
+    a = await make_agent(peer_id="ra")
+    b = await make_agent(peer_id="rb")
+    await a.connect(b.control_address)
+    await asyncio.wait_for(b.wait_for_peer("ra"), 5)
+    b.set_message_sink(lambda *_args: b.transport.remove_peer("ra"))
+    writes = [a.write_blocks("rb", [i], [i]) for i in range(3)]
+    message = a.send_message("rb", "k", b"", [b"x"])
+    async with asyncio.timeout(10):
+        while b.transport.links:  # removed within the batch (a is not told: it would time out)
+            await asyncio.sleep(0.01)
+    assert b.stats()["received.blocks.ok"] == 3 and b.stats()["blocks.bytes_received"] == 3 * 4096
+    a.transport.cancel([t.id for t in (*writes, message)])
+
+
 async def test_transfers_run_no_prometheus_code(make_agent):
     """Metrics are plain numbers while transfers run: prometheus_client only runs at scrape time."""
     a = await make_agent(peer_id="mc")
@@ -158,9 +176,9 @@ def test_export_sums_agents_of_one_name_and_keeps_closed_ones():
 def test_latencies_counted_in_bulk_match_one_by_one_and_a_reader_never_sees_one_twice():
     """The latency histogram keeps observations pending and counts them into its buckets in
     bulk: what it reports equals counting each one as it came (bounds inclusive, past the last
-    bound in +Inf), before and after a bulk count, for agents of one name summed at export
-    too; a scrape thread reading while the loop observes sees counts that only grow and
-    never exceed what was observed."""
+    bound in +Inf), before and after a bulk count, in a scrape too, and once the agent closed
+    (its counts kept under its name, the pending ones included); a thread reading while the
+    loop observes sees counts that only grow and never exceed what was observed."""
     from bisect import bisect_left
 
     metrics = Metrics("mx-bulk")

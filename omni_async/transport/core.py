@@ -541,16 +541,24 @@ class TransportCore(ABC):
         were consumed: the peer is woken if it sleeps, or, where it cannot be woken through
         its ring (we have none, or it broke), they are acknowledged with the others."""
         if link.tail_acked:
-            ids, link.tail_acked = link.tail_acked, []
-            nbytes, link.tail_bytes = link.tail_bytes, 0
+            ids = self._count_tail_acked(link)
             if not _woke_for_tail(link):
                 link.acks.extend(ids)
-            self.metrics.answered("blocks", nbytes, "ok", link.peer.peer_id, len(ids))
         if not link.acks:
             return
         ids, link.acks = link.acks, []
         if self._links.get(link.peer.peer_id) is link:
             self._send_header(link, Ack(ids[0]) if len(ids) == 1 else Acks(ids))
+
+    def _count_tail_acked(self, link: PeerLink) -> list[int]:
+        """Count in the metrics the writes the consumption of the peer's ring records answered
+        (:attr:`PeerLink.tail_acked`: at the end of their batch, or when the peer is removed
+        within it) and take them; returns their ids."""
+        ids, link.tail_acked = link.tail_acked, []
+        nbytes, link.tail_bytes = link.tail_bytes, 0
+        if ids:
+            self.metrics.answered("blocks", nbytes, "ok", link.peer.peer_id, len(ids))
+        return ids
 
     def _drop(self, link: PeerLink, error: OmniAsyncError) -> None:
         """Tell the owner to drop the peer of ``link`` (it broke the protocol, or its lane or

@@ -82,10 +82,10 @@ class IncomingWrites(TransportCore):
 
     def _on_ring_write(self, link: PeerLink, req: WriteRequest) -> None:
         """A write request from the peer's ring.  One its consumption answers (``tail``) is
-        checked and counted here and answered by no :class:`~omni_async.wire.Ack`: the ring's
-        tail passes it once this batch is taken, and the peer is woken then if it sleeps
-        (:meth:`_flush_acks`); invalid, it breaks the protocol (its sender checked it against
-        our layout).  Any other: as from the lane."""
+        checked here and answered by no :class:`~omni_async.wire.Ack`: the ring's tail passes
+        it once its record is given back, the peer is woken at the batch's end if it sleeps
+        and the write counted in the metrics then (:meth:`_flush_acks`); invalid, it breaks
+        the protocol (its sender checked it against our layout).  Any other: as from the lane."""
         if not (req.tail and req.placed and req.notice is None and not req.intent):
             self._on_write(link, req)
             return

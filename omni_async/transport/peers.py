@@ -285,6 +285,7 @@ class Peers(TransportCore):
             # What the peer put into its ring before it was lost counts (an intent above all:
             # its rows may be changing); acknowledgements settle, nothing is answered.
             link.ring_in.drain()
+        self._count_tail_acked(link)  # (removed within a ring batch: its end will not come)
         error = error or PeerLost(f"peer {peer_id!r} removed")
         for notice in link.notices.lost(error):  # the writes it was sending us fail
             self.notices.offer(notice, _nothing)
