@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.timeout(60)
 pytest_plugins = ["tests.helpers.terminal"]  # the tmux fixture
 
-# 2 × 1500 chunks of 16 KiB: 49 MB (over send's 32 MiB threshold for a bar), a second or two here
-STREAM = ["--requests", "2", "--chunks", "1500", "--chunk-size", "16K", "--window", "4"]
+# 2 × 3000 chunks of 16 KiB: 98 MB (over send's 32 MiB threshold for a bar), a second or two
+# here (1500 a request, 0.6 s since session 19, left a loaded run too little time to see a bar)
+STREAM = ["--requests", "2", "--chunks", "3000", "--chunk-size", "16K", "--window", "4"]
 _RECEIVING = re.compile(r"receiving \w+ from \S+ .*[\d.]+/[\d.]+ [KM]iB")
 _SENDING = re.compile(r"sending .*[\d.]+/[\d.]+ [KM]iB")
 

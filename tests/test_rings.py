@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_async.errors import PeerLost, ProtocolError, TransferCancelled, TransferFailed
+from omni_async.errors import DeadlineExceeded, PeerLost, ProtocolError, TransferCancelled, TransferFailed
 from omni_async.transport import samehost
 from omni_async.transport.ring import HEADER_BYTES, WRAP, Consumer, Producer, RingError, max_payload, ring_size
 from omni_async.transport.turns import SpinGate
@@ -1007,6 +1007,44 @@ async def test_garbage_in_the_ring_drops_the_peer_and_nothing_else(make_agent, g
     c = await make_agent(16, 4096, peer_id="c")
     await asyncio.wait_for(c.connect(b.control_address), 10)
     await asyncio.wait_for(c.write_blocks("b", [1], [1]), 5)
+
+
+@pytest.mark.parametrize("fault", ["garbage tail", "closed pipe"])
+async def test_a_one_block_write_whose_ring_put_breaks_settles_and_the_writer_keeps_serving(make_agent, fault):
+    """The short path of a one-block write puts its header into the peer's ring before it
+    registers the transfer: a put that finds the peer's tail corrupted fails the write with
+    that RingError (the peer is dropped); one whose wake-up finds the peer's pipe closed (the
+    ring is dropped, the peer still joined) fails it at its deadline: registered after the
+    put, it is still failed, never left pending; the writer keeps serving other peers."""
+    a, b = await pair(make_agent, transfer_timeout=1.0)
+    link = a.transport.links["b"]
+    ring = link.ring_out
+    if fault == "garbage tail":  # the consumer's tail (u64 at byte 64) far ahead of our head
+        struct.pack_into("<Q", ring.producer.buffer, 64, ring.producer.head + (1 << 40))
+    else:  # the peer asleep, its wake-up pipe gone: the put succeeds, its wake-up fails
+        struct.pack_into("<Q", ring.producer.buffer, 128, 2 * 1000 + 1)  # an odd epoch: asleep
+        b.transport.links["a"].ring_in.close()
+    write = a.write_blocks("b", [3], [4])
+    with pytest.raises(ProtocolError if fault == "garbage tail" else DeadlineExceeded):
+        await asyncio.wait_for(write, 10)
+    assert write.done() and not a.transport.in_flight()
+    c = await make_agent(16, 4096, peer_id="c")
+    await asyncio.wait_for(c.connect(a.control_address), 10)
+    await asyncio.wait_for(a.write_blocks("c", [1], [1]), 5)
+
+
+async def test_a_one_block_write_that_finds_the_ring_full_goes_over_the_lane_and_completes(make_agent):
+    """The short path of a one-block write with no room in the peer's ring: its header goes
+    over the lane (answered by an Ack), the rows land, the write completes."""
+    a, b = await pair(make_agent)
+    ring = a.transport.links["b"].ring_out
+    a.region.array[3] = 77
+    ring.send = lambda *_args: False  # (fault injection on the real ring: no room in it)
+    write = a.write_blocks("b", [3], [4])
+    del ring.send
+    assert not ring.awaiting  # not into the ring (it would await the record's consumption)
+    await asyncio.wait_for(write, 5)
+    assert (b.region.array[4] == 77).all()
 
 
 async def test_a_rogue_record_after_good_ones_in_a_batch_still_acknowledges_them(make_agent):

@@ -104,7 +104,12 @@ class BlockWrites(TransportCore):
         for every other write (one Python step in place of a dozen: row a).  None if the write
         is not that (an index that is not an in-range ``int``, no same-host writer, a block
         too large to copy unannounced, requests waiting for the window): the caller takes the
-        general path, which also raises what a bad index deserves."""
+        general path, which also raises what a bad index deserves.
+
+        The header goes into the peer's ring before the transfer is registered here, so that
+        the peer handles it while we do (its answer is taken by this thread only, later); what
+        could settle the transfer before (a failed copy, a ring the peer corrupted, a ring
+        whose wake-up failed) is acted on only once it is registered."""
         direct = link.direct
         if (
             direct is None
@@ -117,16 +122,33 @@ class BlockWrites(TransportCore):
             or not link.outbox.idle
         ):
             return None
-        transfer = self._new_transfer(link, self.regions.block_bytes, "blocks")
-        transfer_id = transfer.id
+        transfer_id = next(self._ids)
+        nbytes = self.regions.block_bytes
+        try:
+            direct.place(self._arrays, [(local, remote, 1)])
+        except OSError as exc:  # nothing was sent
+            transfer = self._new_transfer(link, nbytes, "blocks", transfer_id)
+            self._copy_failed(link, transfer_id, exc)
+            return transfer
+        tail = _answered_by_consumption(link)
+        header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], placed=True, tail=tail)
+        tail_of = transfer_id if tail else None
+        ring, broke, into_ring = link.ring_out, None, False
+        if ring is not None:
+            try:
+                into_ring = ring.send(KIND_HEADER, (encode_record(header),), tail_of)
+            except RingError as exc:
+                broke = exc
+        transfer = self._new_transfer(link, nbytes, "blocks", transfer_id)
         link.outbox.start(transfer_id)
-        runs = [(local, remote, 1)]
-        if self._copy(link, transfer_id, runs):
-            tail = _answered_by_consumption(link)
-            header = WriteRequest(transfer_id, link.outbox.take_seq(0), [(remote, 1)], placed=True, tail=tail)
-            self._tell_placed(link, header)
+        if broke is not None:
+            self._drop(link, broke)  # (the peer's removal fails the transfer)
+        elif ring is None or not into_ring:  # no ring, or no room in it (now there may be): as any header
+            self._send_header(link, header, transfer_id, tail_of)
         else:
-            carry_out(link.outbox.withdraw(transfer_id))
+            self._ring_sent(link, ring, True)
+            if tail and not ring.in_this_process and not transfer.done():  # (a ring found broken may have settled it)
+                transfer.answer_in_awaiter(self._answer_in_awaiter)
         return transfer
 
     def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:
@@ -427,14 +449,18 @@ class BlockWrites(TransportCore):
         try:
             direct.place(self._arrays, runs)
         except OSError as exc:
-            self._drop_direct(link)
-            if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
-                self._lose(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}"))
-            else:
-                log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
-                self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
+            self._copy_failed(link, transfer_id, exc)
             return False
         return True
+
+    def _copy_failed(self, link: PeerLink, transfer_id: int, exc: OSError) -> None:
+        """A copy of the transfer's rows into the peer's region failed (see :meth:`_copy`)."""
+        self._drop_direct(link)
+        if exc.errno == errno.ESRCH:  # the peer process is gone: as a broken lane
+            self._lose(link, transfer_id, PeerLost(f"peer {link.peer.peer_id!r} exited: {exc}"))
+        else:
+            log.warning("same-host write to %s failed, using UCX from now on: %s", link.peer.peer_id, exc)
+            self._settle(link, transfer_id, TransferFailed(f"same-host write failed: {exc}"))
 
     def _if_live(self, link: PeerLink, transfer_id: int, post: Callable[[], None]) -> None:
         """Carry out ``post`` (a request of a split write, or one held by :meth:`_gate`) only

@@ -64,7 +64,7 @@ from .pool import ReceivePool
 from .protocol import GiveUp
 from .ring import Part, RingError
 from .rma import Registration
-from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED
+from .samehost import KIND_HEADER, KIND_MESSAGE, KIND_POOLED, RingSender
 from .sink_tasks import SinkTasks
 from .transfer import CancelMode, Transfer
 from .turns import Handoffs, TurnBudget
@@ -192,11 +192,17 @@ class TransportCore(ABC):
         if ring is None:
             return False
         sent = ring.send(kind, parts, tail_of)
+        self._ring_sent(link, ring, sent)
+        return sent
+
+    def _ring_sent(self, link: PeerLink, ring: RingSender, sent: bool) -> None:
+        """After a put into ``ring`` (the link's): with something awaited, our ring spins for the
+        answer rather than sleep; a ring whose wake-up failed (the peer closed it: it exited,
+        or is leaving) is dropped (see :meth:`_drop_ring_out`)."""
         if sent and link.sent and link.ring_in is not None:
             link.ring_in.kick()
-        if ring.broken is not None:  # its wake-up failed: the peer closed the ring (exited, or is leaving)
+        if ring.broken is not None:
             self._drop_ring_out(link)
-        return sent
 
     @property
     def ucx_config(self) -> dict[str, str]:
@@ -286,9 +292,13 @@ class TransportCore(ABC):
             link.ring_in.take_answers_until(transfer.done)
         return transfer.done() and self._turn_budget.may_skip()
 
-    def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind) -> Transfer:
+    def _new_transfer(self, link: PeerLink, nbytes: int, kind: Kind, transfer_id: int | None = None) -> Transfer:
+        """A transfer to the peer, in flight from now (``transfer_id``: one taken from
+        :attr:`_ids` already, for a request put into the peer's ring before this)."""
         now = self._loop.time()
-        transfer = Transfer(next(self._ids), link.peer.peer_id, nbytes, self._on_cancel, kind, now)
+        if transfer_id is None:
+            transfer_id = next(self._ids)
+        transfer = Transfer(transfer_id, link.peer.peer_id, nbytes, self._on_cancel, kind, now)
         link.sent[transfer.id] = transfer
         due = link.deadlines.start(now)
         if due is not None:
