@@ -7,6 +7,7 @@ import asyncio
 import json
 import re
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -17,9 +18,9 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.timeout(60)
 pytest_plugins = ["tests.helpers.terminal"]  # the tmux fixture
 
-# 2 × 3000 chunks of 16 KiB: 98 MB (over send's 32 MiB threshold for a bar), a second or two
-# here (1500 a request, 0.6 s since session 19, left a loaded run too little time to see a bar)
-STREAM = ["--requests", "2", "--chunks", "3000", "--chunk-size", "16K", "--window", "4"]
+# 2 × 1500 chunks of 16 KiB: 49 MB (over send's 32 MiB threshold for a bar), 0.6 s or more here
+STREAM = ["--requests", "2", "--chunks", "1500", "--chunk-size", "16K", "--window", "4"]
+_ESCAPE = re.compile(r"\x1b(\[[0-9;?]*[A-Za-z]|\][^\x07]*\x07|[()][A-Z0-9]|[=>78])")
 _RECEIVING = re.compile(r"receiving \w+ from \S+ .*[\d.]+/[\d.]+ [KM]iB")
 _SENDING = re.compile(r"sending .*[\d.]+/[\d.]+ [KM]iB")
 
@@ -54,14 +55,30 @@ async def started(tmux: Tmux, name: str, text: str) -> None:
         pytest.fail(f"{text!r} never showed in pane {name!r}; it shows:\n{screen}")
 
 
-async def test_recv_and_send_draw_progress_bars_on_a_terminal(tmux: Tmux) -> None:
+async def recorded(path: Path, until: str) -> str:
+    """What a pane recorded (:meth:`Tmux.record`) once ``until`` is in it, escape sequences
+    taken out (a bar's redraws leave its text between them)."""
+    text = ""
+    async with asyncio.timeout(10):
+        while until not in (text := _ESCAPE.sub("", path.read_text(errors="replace") if path.exists() else "")):
+            await asyncio.sleep(0.05)
+    return text
+
+
+async def test_recv_and_send_draw_progress_bars_on_a_terminal(tmux: Tmux, tmp_path: Path) -> None:
+    """Both draw a bar while the stream runs, and the bars are gone when it is done.  The bars
+    are looked for in what the terminals were sent (recorded), not only in screenshots: a
+    stream that takes half a second can end between two screenshots of a loaded machine."""
     port = free_port()
     tmux.run("recv", "recv", "--quiet", "--sessions", "1", "--port", str(port))
     await started(tmux, "recv", "listening on")
+    tmux.record("recv", tmp_path / "recv.out")
     tmux.run("send", "send", f"tcp://127.0.0.1:{port}", *STREAM)
+    tmux.record("send", tmp_path / "send.out")  # (its bar waits for the handshake: not missed)
     captures = await watch(tmux, ["send", "recv"], until="stopped (sessions)")
-    assert any(_RECEIVING.search(c["recv"]) for c in captures), captures[-1]["recv"]
-    assert any(_SENDING.search(c["send"]) for c in captures), captures[-1]["send"]
+    assert _RECEIVING.search(await recorded(tmp_path / "recv.out", "stopped (sessions)"))
+    sent = await recorded(tmp_path / "send.out", "throughput")  # (the summary table, after the bar)
+    assert _SENDING.search(sent) or any(_SENDING.search(c["send"]) for c in captures), captures[-1]["send"]
     final = captures[-1]
     assert "-> OK" in final["recv"] and not _RECEIVING.search(final["recv"])  # the bar is gone when done
     await started(tmux, "send", "throughput")  # the summary table replaced the bar

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,12 @@ class Tmux:
         ``history``, everything it printed, lines scrolled off the top included."""
         scrollback = ["-S", "-"] if history else []
         return self._tmux("capture-pane", "-p", "-J", *scrollback, "-t", name)
+
+    def record(self, name: str, path: Path) -> None:
+        """Append everything the session's pane is sent from now on to ``path``, raw (escape
+        sequences included): what a live screen shows only for a moment (a progress bar that
+        vanishes when done) is there for good."""
+        self._tmux("pipe-pane", "-o", "-t", name, f"cat >> {shlex.quote(str(path))}")
 
     def close(self) -> None:
         subprocess.run([*self.prefix, "kill-server"], capture_output=True, timeout=10)
