@@ -1017,6 +1017,7 @@ async def test_a_one_block_write_whose_ring_put_breaks_settles_and_the_writer_ke
     ring is dropped, the peer still joined) fails it at its deadline: registered after the
     put, it is still failed, never left pending; the writer keeps serving other peers."""
     a, b = await pair(make_agent, transfer_timeout=1.0)
+    general = spy_general_writes(a)
     link = a.transport.links["b"]
     ring = link.ring_out
     if fault == "garbage tail":  # the consumer's tail (u64 at byte 64) far ahead of our head
@@ -1025,9 +1026,11 @@ async def test_a_one_block_write_whose_ring_put_breaks_settles_and_the_writer_ke
         struct.pack_into("<Q", ring.producer.buffer, 128, 2 * 1000 + 1)  # an odd epoch: asleep
         b.transport.links["a"].ring_in.close()
     write = a.write_blocks("b", [3], [4])
+    if fault == "closed pipe":
+        assert a.transport.links["b"].ring_out is None and "b" in a.peers  # the ring dropped, the peer not
     with pytest.raises(ProtocolError if fault == "garbage tail" else DeadlineExceeded):
         await asyncio.wait_for(write, 10)
-    assert write.done() and not a.transport.in_flight()
+    assert write.done() and not a.transport.in_flight() and general == []  # (the short path took it)
     c = await make_agent(16, 4096, peer_id="c")
     await asyncio.wait_for(c.connect(a.control_address), 10)
     await asyncio.wait_for(a.write_blocks("c", [1], [1]), 5)
@@ -1037,6 +1040,7 @@ async def test_a_one_block_write_that_finds_the_ring_full_goes_over_the_lane_and
     """The short path of a one-block write with no room in the peer's ring: its header goes
     over the lane (answered by an Ack), the rows land, the write completes."""
     a, b = await pair(make_agent)
+    general = spy_general_writes(a)
     ring = a.transport.links["b"].ring_out
     a.region.array[3] = 77
     ring.send = lambda *_args: False  # (fault injection on the real ring: no room in it)
@@ -1044,7 +1048,22 @@ async def test_a_one_block_write_that_finds_the_ring_full_goes_over_the_lane_and
     del ring.send
     assert not ring.awaiting  # not into the ring (it would await the record's consumption)
     await asyncio.wait_for(write, 5)
-    assert (b.region.array[4] == 77).all()
+    assert (b.region.array[4] == 77).all() and general == []  # (the short path took it)
+
+
+def spy_general_writes(agent) -> list[int]:
+    """The block counts of the writes ``agent`` sends by the general path (a wrapper around the
+    real ``_write_runs``), so a test of the one-block short path sees it was taken."""
+    calls: list[int] = []
+    transport = agent.transport
+    real = transport._write_runs
+
+    def spy(link, runs, blocks, notice):
+        calls.append(blocks)
+        return real(link, runs, blocks, notice)
+
+    transport._write_runs = spy
+    return calls
 
 
 async def test_a_rogue_record_after_good_ones_in_a_batch_still_acknowledges_them(make_agent):

@@ -144,7 +144,7 @@ class BlockWrites(TransportCore):
         if broke is not None:
             self._drop(link, broke)  # (the peer's removal fails the transfer)
         elif ring is None or not into_ring:  # no ring, or no room in it (now there may be): as any header
-            self._send_header(link, header, transfer_id, tail_of)
+            self._tell_placed(link, header)
         else:
             self._ring_sent(link, ring, True)
             if tail and not ring.in_this_process and not transfer.done():  # (a ring found broken may have settled it)
