@@ -147,8 +147,8 @@ class BlockWrites(TransportCore):
             self._tell_placed(link, header)
         else:
             self._ring_sent(link, ring, True)
-            if tail and not ring.in_this_process and not transfer.done():  # (a ring found broken may have settled it)
-                transfer.answer_in_awaiter(self._answer_in_awaiter)
+            if tail:
+                self._answer_tail_in_awaiter(link, transfer_id)
         return transfer
 
     def write_runs(self, peer_id: str, runs: list[Run], blocks: int, *, remote_blocks: int) -> Transfer:
@@ -389,16 +389,22 @@ class BlockWrites(TransportCore):
             carry_out(link.outbox.withdraw(transfer_id))
 
     def _tell_placed(self, link: PeerLink, header: WriteRequest) -> None:
-        """Send the header of a request copied into the peer's rows; if the peer's consumption
-        of its ring record answers it (``tail``), the transfer's awaiter takes that answer
-        (:meth:`~.transfer.Transfer.answer_in_awaiter`), unless the peer runs in this
-        process (it cannot answer while the awaiter polls)."""
+        """Send the header of a request copied into the peer's rows (see
+        :meth:`_answer_tail_in_awaiter` for one the peer's consumption answers)."""
         transfer_id = header.transfer_id
         tail_of = transfer_id if header.tail else None
         if self._send_header(link, header, transfer_id, tail_of) and header.tail:
-            ring, transfer = link.ring_out, link.sent.get(transfer_id)  # (a ring that broke on the put settled it)
-            if ring is not None and not ring.in_this_process and transfer is not None:
-                transfer.answer_in_awaiter(self._answer_in_awaiter)
+            self._answer_tail_in_awaiter(link, transfer_id)
+
+    def _answer_tail_in_awaiter(self, link: PeerLink, transfer_id: int) -> None:
+        """A placed header the peer's consumption of its ring record answers (``tail``) is in
+        the ring: the transfer's awaiter takes that answer
+        (:meth:`~.transfer.Transfer.answer_in_awaiter`), unless the peer runs in this process
+        (it cannot answer while the awaiter polls) or the transfer settled meanwhile (a ring
+        that broke on the put)."""
+        ring, transfer = link.ring_out, link.sent.get(transfer_id)
+        if ring is not None and not ring.in_this_process and transfer is not None:
+            transfer.answer_in_awaiter(self._answer_in_awaiter)
 
     def _place_announced(
         self, link: PeerLink, transfer_id: int, runs: list[Run], tag: _Tag | None, part: int, parts: int = 1
